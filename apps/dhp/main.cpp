@@ -1,0 +1,180 @@
+// dhp: the one command-line entry point. Subcommands parse their own flags; every error
+// becomes one readable line on stderr and a non-zero exit code here, and only here.
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dhp/core/log.h"
+#include "dhp/core/memory.h"
+#include "dhp/train/config.h"
+#include "dhp/train/trainer.h"
+
+namespace {
+
+const char* kUsage = R"(dhp: disaggregated hybrid parallel training of vision-language models
+
+usage: dhp <command> [options]
+
+commands:
+  train     train a model (default: the demo model on the built-in shapes task)
+  params    print the parameter count of a config or of every preset
+  config    print the resolved config with every key, its default and its meaning
+  help      this text; 'dhp <command> --help' for a command's options
+
+With no command, 'dhp' runs 'dhp train'.
+)";
+
+const char* kConfigFlags = R"(  --config FILE     YAML config (sections model, data, training, parallel, output)
+  --set KEY=VALUE   override one key, VALUE parsed as YAML (repeatable), e.g.
+                    --set training.steps=100 --set model.text.num_layers=2
+)";
+
+struct Args {
+  std::string config;
+  std::vector<std::string> sets;
+  std::string out;
+  bool help = false;
+  bool all = false;
+  int64_t nproc = 1;
+};
+
+// Parses the flags shared by the subcommands; throws dhp::Error on an unknown flag.
+Args parse(int argc, char** argv, int first, const std::vector<std::string>& allowed) {
+  Args a;
+  auto ok = [&](const std::string& f) {
+    for (const auto& x : allowed) if (x == f) return true;
+    return false;
+  };
+  for (int i = first; i < argc; ++i) {
+    std::string f = argv[i];
+    std::string value;
+    bool has_value = false;
+    if (f.rfind("--", 0) == 0 && f.find('=') != std::string::npos && f.rfind("--set", 0) != 0) {
+      value = f.substr(f.find('=') + 1);
+      f = f.substr(0, f.find('='));
+      has_value = true;
+    }
+    auto next = [&]() -> std::string {
+      if (has_value) return value;
+      DHP_CHECK(i + 1 < argc, f, " needs a value");
+      return argv[++i];
+    };
+    if (f == "-h" || f == "--help") {
+      a.help = true;
+    } else if (!ok(f)) {
+      DHP_FAIL("unknown option '", argv[i], "' (see --help)");
+    } else if (f == "--config") {
+      a.config = next();
+    } else if (f == "--set") {
+      a.sets.push_back(next());
+    } else if (f == "--out") {
+      a.out = next();
+    } else if (f == "--all") {
+      a.all = true;
+    } else if (f == "--nproc") {
+      const std::string v = next();
+      try {
+        a.nproc = std::stoll(v);
+      } catch (const std::exception&) {
+        DHP_FAIL("--nproc expects a positive integer, got '", v, "'");
+      }
+    }
+  }
+  return a;
+}
+
+int cmd_train(int argc, char** argv, int first) {
+  auto a = parse(argc, argv, first, {"--config", "--set", "--out", "--nproc"});
+  if (a.help) {
+    std::printf(
+        "usage: dhp train [--config FILE] [--set KEY=VALUE]... [--out DIR]\n\n"
+        "Trains the configured model (default: the demo preset on the built-in shapes task),\n"
+        "showing step, loss, tokens/s, ETA and peak memory, then evaluates held-out answers.\n"
+        "Writes DIR/metrics.jsonl (one JSON object per step: step, loss, lr, grad_norm,\n"
+        "tokens_per_s, peak_bytes, ...), DIR/config.yaml (the resolved config) and\n"
+        "DIR/summary.json (first/final loss, held-out exact-match accuracy).\n\n"
+        "options:\n%s  --out DIR         run directory (default: output.dir = runs/demo)\n"
+        "  --nproc N         worker processes (only 1 in this build)\n\n"
+        "'dhp config' lists every key with its default.\n",
+        kConfigFlags);
+    return 0;
+  }
+  DHP_CHECK(a.nproc == 1, "--nproc ", a.nproc, ": multi-process training is not in this build yet; use --nproc 1");
+  if (!a.out.empty()) a.sets.push_back("output.dir=" + a.out);
+  auto cfg = dhp::load_config(a.config, a.sets);
+  dhp::train::Trainer trainer(cfg);
+  trainer.run();
+  return 0;
+}
+
+void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {
+  const auto p = dhp::qwen::count_parameters(c);
+  std::printf("%-16s vision %8.3fB  text %8.3fB  total %8.3fB  (%lld parameters)\n", name.c_str(),
+              p.vision / 1e9, p.text / 1e9, p.total() / 1e9, static_cast<long long>(p.total()));
+}
+
+int cmd_params(int argc, char** argv, int first) {
+  auto a = parse(argc, argv, first, {"--config", "--set", "--all"});
+  if (a.help) {
+    std::printf("usage: dhp params [--config FILE] [--set KEY=VALUE]... | --all\n\n"
+                "Prints the exact parameter count (vision tower with merger, text decoder with\n"
+                "embeddings and lm_head) of the configured model, or of every preset with --all.\n\noptions:\n%s"
+                "  --all             every preset\n", kConfigFlags);
+    return 0;
+  }
+  if (a.all) {
+    for (const auto& n : dhp::qwen::preset_names()) print_count(n, dhp::qwen::preset(n));
+    return 0;
+  }
+  auto cfg = dhp::load_config(a.config, a.sets);
+  print_count(cfg.model.preset, cfg.model.config);
+  return 0;
+}
+
+int cmd_config(int argc, char** argv, int first) {
+  auto a = parse(argc, argv, first, {"--config", "--set"});
+  if (a.help) {
+    std::printf("usage: dhp config [--config FILE] [--set KEY=VALUE]...\n\n"
+                "Prints the resolved config as YAML, every key with a comment saying what it is.\n\noptions:\n%s",
+                kConfigFlags);
+    return 0;
+  }
+  auto cfg = dhp::load_config(a.config, a.sets);
+  std::cout << dhp::to_yaml(cfg, /*with_help=*/true);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    dhp::install_memory_accounting();
+    std::string cmd = argc > 1 ? argv[1] : "train";
+    int first = 2;
+    if (cmd.rfind("-", 0) == 0 && cmd != "-h" && cmd != "--help") {
+      cmd = "train";
+      first = 1;
+    }
+    if (cmd == "help" || cmd == "-h" || cmd == "--help") {
+      std::printf("%s", kUsage);
+      return 0;
+    }
+    const std::map<std::string, std::function<int(int, char**, int)>> cmds = {
+        {"train", cmd_train}, {"params", cmd_params}, {"config", cmd_config}};
+    auto it = cmds.find(cmd);
+    if (it == cmds.end()) {
+      std::fprintf(stderr, "dhp: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);
+      return 2;
+    }
+    return it->second(argc, argv, first);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dhp: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,75 @@
+// The built-in synthetic task: images of coloured shapes with a question and a caption
+// answer ("a red circle top left"), tokenised with a small word vocabulary laid out like
+// Qwen's chat template. Needs no download; each sample is a pure function of (seed, index).
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dhp/models/qwen2_5_vl/model.h"
+
+namespace dhp::data {
+
+// One tokenised sample before packing.
+struct Sample {
+  torch::Tensor pixel_values;        // (N, C*T*P*P) fp32, processor order; undefined if none
+  std::vector<qwen::GridTHW> grids;  // per image
+  std::vector<int64_t> ids;          // (L)
+  std::vector<int64_t> labels;       // (L): the token itself where it is answer text, else -100
+  std::string answer;                // reference answer text
+};
+
+// Qwen's image normalisation constants (OpenAI CLIP mean / std).
+constexpr float kImageMean[3] = {0.48145466f, 0.4578275f, 0.40821073f};
+constexpr float kImageStd[3] = {0.26862954f, 0.26130258f, 0.27577711f};
+
+// Normalised image (C, H, W) fp32, H and W multiples of patch*merge -> patches
+// (grid_t*grid_h*grid_w, C*T*P*P) in the Hugging Face processor's order, the still image
+// repeated over temporal_patch_size frames. Returns the grid in `grid`.
+torch::Tensor patchify(const torch::Tensor& image, const qwen::VisionConfig& cfg,
+                       qwen::GridTHW& grid);
+
+// Word-level vocabulary of the shapes task. Ids 0..5 are <pad>, <|im_start|>, <|im_end|>,
+// <|vision_start|>, <|vision_end|>, <|image_pad|> (the demo preset's special ids).
+class ShapesVocab {
+ public:
+  ShapesVocab();
+  int64_t id(const std::string& word) const;  // throws dhp::Error on an unknown word
+  const std::string& word(int64_t id) const;
+  int64_t size() const { return static_cast<int64_t>(words_.size()); }
+  std::vector<int64_t> encode(const std::string& text) const;  // space-separated words
+  std::string decode(const std::vector<int64_t>& ids) const;
+
+ private:
+  std::vector<std::string> words_;
+};
+
+struct ShapesOptions {
+  int64_t min_side = 112;  // image side range in pixels (rounded to multiples of 28)
+  int64_t max_side = 224;
+  uint64_t seed = 0;
+};
+
+class ShapesDataset {
+ public:
+  ShapesDataset(const qwen::ModelConfig& model, ShapesOptions options);
+  // Deterministic sample `index` of this dataset's seed.
+  Sample get(int64_t index) const;
+  // Number of distinct answers (chance accuracy = 1 / num_answers()).
+  int64_t num_answers() const;
+  const ShapesVocab& vocab() const { return vocab_; }
+
+ private:
+  qwen::ModelConfig model_;
+  ShapesOptions options_;
+  ShapesVocab vocab_;
+};
+
+// Packs samples into one Batch (ids concatenated, targets shifted inside each sample,
+// M-RoPE positions per sample, cu_seqlens).
+qwen::Batch collate(const std::vector<Sample>& samples, const qwen::ModelConfig& cfg);
+
+}  // namespace dhp::data

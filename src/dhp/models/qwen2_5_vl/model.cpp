@@ -1,0 +1,145 @@
+#include "dhp/models/qwen2_5_vl/model.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "dhp/core/error.h"
+
+namespace dhp::qwen {
+
+int64_t Batch::num_target_tokens() const { return targets.ne(-100).sum().item<int64_t>(); }
+
+torch::Tensor rope_index(const std::vector<int64_t>& ids, const std::vector<GridTHW>& grids,
+                         const ModelConfig& cfg) {
+  const int64_t m = cfg.vision.spatial_merge_size;
+  const int64_t L = static_cast<int64_t>(ids.size());
+  std::vector<int64_t> t(L), h(L), w(L);
+  int64_t next = 0;  // first free position
+  size_t img = 0;
+  int64_t i = 0;
+  while (i < L) {
+    if (ids[i] != cfg.image_token_id) {
+      t[i] = h[i] = w[i] = next++;
+      ++i;
+      continue;
+    }
+    DHP_CHECK(img < grids.size(), "rope_index: more image runs than the ", grids.size(),
+              " image grids");
+    const auto& g = grids[img++];
+    const int64_t gt = g[0], gh = g[1] / m, gw = g[2] / m, n = gt * gh * gw;
+    DHP_CHECK(i + n <= L, "rope_index: image ", img - 1, " needs ", n,
+              " <|image_pad|> tokens but the sequence ends after ", L - i);
+    int64_t max_pos = next - 1;
+    for (int64_t k = 0; k < n; ++k) {
+      DHP_CHECK(ids[i + k] == cfg.image_token_id, "rope_index: image ", img - 1, " needs ", n,
+                " consecutive <|image_pad|> tokens, found ", k);
+      // Still images: temporal index 0 (Hugging Face uses second_per_grid_t = 0 for images).
+      t[i + k] = next;
+      h[i + k] = next + (k / gw) % gh;
+      w[i + k] = next + k % gw;
+      max_pos = std::max({max_pos, t[i + k], h[i + k], w[i + k]});
+    }
+    next = max_pos + 1;
+    i += n;
+  }
+  DHP_CHECK(img == grids.size(), "rope_index: ", grids.size(), " image grids but ", img,
+            " image runs in the sequence");
+  auto out = torch::empty({3, L}, torch::kInt64);
+  std::copy(t.begin(), t.end(), out[0].data_ptr<int64_t>());
+  std::copy(h.begin(), h.end(), out[1].data_ptr<int64_t>());
+  std::copy(w.begin(), w.end(), out[2].data_ptr<int64_t>());
+  return out;
+}
+
+Qwen2_5_VLImpl::Qwen2_5_VLImpl(const ModelConfig& c) : cfg(c) {
+  cfg.validate();
+  visual = register_module("visual", VisionTransformer(cfg.vision));
+  model = register_module("model", TextModel(cfg.text));
+  if (!cfg.text.tie_word_embeddings) {
+    lm_head = register_module("lm_head", dhp::nn::make_linear(cfg.text.hidden_size, cfg.text.vocab_size, false));
+  }
+}
+
+void Qwen2_5_VLImpl::set_activation_checkpointing(bool on) {
+  visual->activation_checkpointing = on;
+  model->activation_checkpointing = on;
+}
+
+torch::Tensor Qwen2_5_VLImpl::lm_head_weight() const {
+  return lm_head ? lm_head->weight : model->embed_tokens->weight;
+}
+
+torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch) {
+  auto emb = model->embed_tokens(batch.input_ids);  // (L, C)
+  auto pos = (batch.input_ids == cfg.image_token_id).nonzero().squeeze(-1);
+  if (batch.grid_thw.empty()) {
+    DHP_CHECK(pos.numel() == 0, "batch has ", pos.numel(), " <|image_pad|> tokens but no images");
+    return emb;
+  }
+  auto plan = make_vision_plan(batch.grid_thw, cfg.vision);
+  auto vis = visual->forward(batch.pixel_values, plan);  // (N/4, C)
+  DHP_CHECK(vis.size(0) == pos.numel(), "batch has ", pos.numel(),
+            " <|image_pad|> tokens but the images give ", vis.size(0), " vision embeddings");
+  return emb.index_copy(0, pos, vis.to(emb.scalar_type()));
+}
+
+torch::Tensor Qwen2_5_VLImpl::target_logits(const Batch& batch) {
+  auto [cos, sin] = mrope_cos_sin(batch.position_ids, cfg.text);
+  const auto dtype = model->embed_tokens->weight.scalar_type();
+  TextAttnInputs in{cos.to(dtype), sin.to(dtype), batch.cu_seqlens};
+  auto h = model->forward(embed(batch), in);  // (L, C)
+  auto sel = batch.targets.ne(-100).nonzero().squeeze(-1);
+  return torch::matmul(h.index_select(0, sel), lm_head_weight().t()).to(torch::kFloat32);
+}
+
+Qwen2_5_VLImpl::Output Qwen2_5_VLImpl::forward(const Batch& batch) {
+  auto logits = target_logits(batch);
+  auto tgt = batch.targets.index_select(0, batch.targets.ne(-100).nonzero().squeeze(-1));
+  Output out;
+  out.num_tokens = tgt.numel();
+  out.loss_sum = out.num_tokens == 0
+                     ? logits.sum() * 0
+                     : torch::nn::functional::cross_entropy(
+                           logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  return out;
+}
+
+uint64_t name_seed(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ULL ^ (seed * 0x9E3779B97F4A7C15ULL);
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+bool is_norm(const std::string& name) {
+  return name.find("norm") != std::string::npos || name.find("ln_q") != std::string::npos;
+}
+
+bool decays(const std::string& name, const torch::Tensor& p) {
+  return p.dim() >= 2 && !is_norm(name);
+}
+
+void init_parameters(torch::nn::Module& module, uint64_t seed, double std) {
+  torch::NoGradGuard no_grad;
+  for (auto& kv : module.named_parameters(/*recurse=*/true)) {
+    const std::string& name = kv.key();
+    auto& p = kv.value();
+    const bool is_bias = name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0;
+    if (is_norm(name)) {
+      p.fill_(1.0);
+    } else if (is_bias || p.dim() < 2) {
+      p.zero_();
+    } else {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(name_seed(seed, name));
+      auto w = torch::empty(p.sizes(), torch::kFloat32);
+      w.normal_(0.0, std, gen);
+      p.copy_(w);
+    }
+  }
+}
+
+}  // namespace dhp::qwen

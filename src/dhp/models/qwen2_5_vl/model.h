@@ -1,0 +1,74 @@
+// Qwen2_5_VLForConditionalGeneration: vision tower + text decoder + lm_head, with Hugging
+// Face's parameter names (visual.*, model.*, lm_head.*). Vision embeddings replace the
+// <|image_pad|> token embeddings in order.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/models/qwen2_5_vl/text.h"
+#include "dhp/models/qwen2_5_vl/vision.h"
+
+namespace dhp::qwen {
+
+// One packed batch: samples concatenated, no padding.
+struct Batch {
+  torch::Tensor pixel_values;       // (N_patches, C*T*P*P) fp32, processor order; undefined if no image
+  std::vector<GridTHW> grid_thw;    // per image, in order of appearance
+  torch::Tensor input_ids;          // (L) int64
+  torch::Tensor targets;            // (L) int64: next-token target per position, -100 = no loss
+  torch::Tensor position_ids;       // (3, L) int64, M-RoPE
+  std::vector<int64_t> cu_seqlens;  // sample offsets in the packed sequence (num_samples + 1)
+  int64_t num_samples() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }
+  int64_t num_target_tokens() const;
+};
+
+// M-RoPE position ids of one sample, as Hugging Face's get_rope_index does for images:
+// text runs get consecutive positions on all three axes; an image of grid (t, h, w) placed
+// after a text run gets (t_i, h_i, w_i) over the merged grid, offset by the next free
+// position; text after it starts at max + 1. ids: (L) int64 -> (3, L) int64.
+torch::Tensor rope_index(const std::vector<int64_t>& ids, const std::vector<GridTHW>& grids,
+                         const ModelConfig& cfg);
+
+class Qwen2_5_VLImpl : public torch::nn::Module {
+ public:
+  explicit Qwen2_5_VLImpl(const ModelConfig& cfg);
+
+  // Sum of the cross-entropy over target tokens (not averaged) and the hidden states.
+  struct Output {
+    torch::Tensor loss_sum;  // () fp32
+    int64_t num_tokens = 0;  // target tokens
+  };
+  Output forward(const Batch& batch);
+  // Embeddings with vision rows in place of <|image_pad|>: (L, C).
+  torch::Tensor embed(const Batch& batch);
+  // Logits (n, vocab) of the target positions only.
+  torch::Tensor target_logits(const Batch& batch);
+  // lm_head weight (vocab, C): embed_tokens' when tied.
+  torch::Tensor lm_head_weight() const;
+
+  void set_activation_checkpointing(bool on);
+
+  VisionTransformer visual{nullptr};
+  TextModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // null when tied
+  ModelConfig cfg;
+};
+TORCH_MODULE(Qwen2_5_VL);
+
+// Deterministic initialisation from a seed, one generator per parameter seeded by
+// (seed, parameter name): the same weights whatever later shards them. Norm weights 1,
+// biases 0, other weights N(0, initializer_range).
+void init_parameters(torch::nn::Module& module, uint64_t seed, double std);
+
+// 64-bit FNV-1a of a string mixed with a seed.
+uint64_t name_seed(uint64_t seed, const std::string& name);
+
+// True for parameters that get weight decay (matrices; not norms, biases or 1-D tensors).
+bool decays(const std::string& name, const torch::Tensor& p);
+
+}  // namespace dhp::qwen

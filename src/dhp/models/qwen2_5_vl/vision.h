@@ -1,0 +1,127 @@
+// Qwen2.5-VL vision tower: patch embedding, 2-D rotary, window attention blocks with full
+// attention in fullatt_block_indexes, and the 2x2 PatchMerger. Architecture only; parallel
+// strategies wrap the attention core (VisionAttention::core) and swap linears from outside.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include <array>
+#include <functional>
+#include <vector>
+
+#include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/nn/layers.h"
+
+namespace dhp::qwen {
+
+using GridTHW = std::array<int64_t, 3>;  // (t, h, w) in patches
+
+// Host-side geometry of one packed batch of images, computed once per batch. All indices
+// refer to the packed patch sequence in the processor's order (merge-window order: each
+// consecutive group of merge^2 patches is one LLM token).
+struct VisionPlan {
+  int64_t num_patches = 0;
+  // window_index[i] = merged unit placed at position i after the window reorder.
+  std::vector<int64_t> window_index;
+  // Offsets (in patches, window order) of the attention windows; duplicates removed.
+  std::vector<int64_t> cu_window_seqlens;
+  // Offsets (in patches) of the full-attention segments: one per image and frame.
+  std::vector<int64_t> cu_seqlens;
+  // (h, w) patch coordinates per patch, processor order, (N, 2) int64.
+  torch::Tensor pos_ids;
+};
+
+// Qwen's window index: windows of (window_size / merge / patch)^2 merged units, per image,
+// row-major over windows, padding excluded. Throws dhp::Error on a grid not divisible by merge.
+void window_index(const std::vector<GridTHW>& grids, const VisionConfig& cfg,
+                  std::vector<int64_t>& index, std::vector<int64_t>& cu_window_seqlens);
+// (h, w) coordinates of every patch in processor (merge-window) order, (N, 2) int64.
+torch::Tensor vision_pos_ids(const std::vector<GridTHW>& grids, int64_t merge);
+VisionPlan make_vision_plan(const std::vector<GridTHW>& grids, const VisionConfig& cfg);
+// argsort of a permutation.
+std::vector<int64_t> inverse_permutation(const std::vector<int64_t>& perm);
+
+// What one attention call needs besides the activations.
+struct VisionAttnInputs {
+  torch::Tensor cos, sin;             // (S, head_dim), window order
+  std::vector<int64_t> cu;            // segments for this block (windows or images)
+};
+
+// Attention core: (S, H, D) q, k, v -> (S, H, D). Replaced by Ulysses SP from outside.
+using AttentionCore = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
+                                                  const torch::Tensor&,
+                                                  const std::vector<int64_t>& cu, bool causal)>;
+AttentionCore local_attention_core(int64_t block_size);
+
+class VisionAttentionImpl : public torch::nn::Module {
+ public:
+  explicit VisionAttentionImpl(const VisionConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x, const VisionAttnInputs& in);  // (S, C) -> (S, C)
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  AttentionCore core;
+  int64_t num_heads;
+};
+TORCH_MODULE(VisionAttention);
+
+class VisionBlockImpl : public torch::nn::Module {
+ public:
+  explicit VisionBlockImpl(const VisionConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x, const VisionAttnInputs& in);
+  dhp::nn::RMSNorm norm1{nullptr}, norm2{nullptr};
+  VisionAttention attn{nullptr};
+  dhp::nn::SwiGLU mlp{nullptr};
+};
+TORCH_MODULE(VisionBlock);
+
+// RMSNorm, then merge^2 consecutive patches into one row, Linear(4h, 4h), GELU, Linear(4h, out).
+class PatchMergerImpl : public torch::nn::Module {
+ public:
+  explicit PatchMergerImpl(const VisionConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& x);  // (S, h) -> (S/merge^2, out)
+  dhp::nn::RMSNorm ln_q{nullptr};
+  torch::nn::Sequential mlp{nullptr};
+  int64_t merged_dim;
+};
+TORCH_MODULE(PatchMerger);
+
+// Conv3d with stride = kernel over pre-flattened patches, stored with Conv3d's weight shape
+// (hidden, C, T, P, P) so Hugging Face weights load unchanged; computed as one GEMM.
+class PatchEmbedImpl : public torch::nn::Module {
+ public:
+  explicit PatchEmbedImpl(const VisionConfig& cfg);
+  torch::Tensor forward(const torch::Tensor& patches);  // (N, C*T*P*P) -> (N, hidden)
+  struct ProjHolder : torch::nn::Module {
+    torch::Tensor weight;
+  };
+  std::shared_ptr<ProjHolder> proj;
+};
+TORCH_MODULE(PatchEmbed);
+
+class VisionTransformerImpl : public torch::nn::Module {
+ public:
+  explicit VisionTransformerImpl(const VisionConfig& cfg);
+  // patches (N, C*T*P*P), processor order -> (N / merge^2, out_hidden), processor order.
+  torch::Tensor forward(const torch::Tensor& patches, const VisionPlan& plan);
+  // The blocks part only, on window-ordered hidden states (S, hidden); exposed so that
+  // sequence-parallel stages can run it on a shard.
+  torch::Tensor run_blocks(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
+                           const VisionPlan& plan);
+  // cos, sin (N, head_dim) in window order for a plan.
+  std::pair<torch::Tensor, torch::Tensor> rotary(const VisionPlan& plan) const;
+
+  PatchEmbed patch_embed{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  PatchMerger merger{nullptr};
+  VisionConfig cfg;
+  bool activation_checkpointing = false;
+};
+TORCH_MODULE(VisionTransformer);
+
+// Reorders (N, ...) rows grouped by merge units of `unit` rows along dim 0 by `index`.
+torch::Tensor reorder_units(const torch::Tensor& x, const std::vector<int64_t>& index,
+                            int64_t unit);
+
+}  // namespace dhp::qwen

@@ -1,0 +1,283 @@
+#include "dhp/nn/attention.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "dhp/core/error.h"
+
+namespace dhp::nn {
+namespace {
+
+using torch::Tensor;
+using torch::indexing::Slice;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A group of short segments padded to a common length: rows of idx (B, Lp) index the
+// sequence; `valid` marks real (not padding) positions.
+struct Bucket {
+  int64_t length = 0;
+  std::vector<int64_t> starts, lens;
+};
+
+struct BucketTensors {
+  Tensor gather;     // (B*Lp) int64: sequence position per padded slot (0 for padding)
+  Tensor valid_pos;  // (n) int64: padded slots that hold real tokens
+  Tensor seq_pos;    // (n) int64: sequence position of each valid slot
+  Tensor allowed;    // (B, Lp, Lp) bool: key j visible from query i
+  Tensor valid_q;    // (B, Lp, 1) fp32: 1 for real query rows, 0 for padding
+};
+
+BucketTensors make_bucket_tensors(const Bucket& b, bool causal) {
+  const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
+  std::vector<int64_t> gather(B * Lp, 0), valid_pos, seq_pos;
+  std::vector<uint8_t> valid(B * Lp, 0);
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t t = 0; t < b.lens[i]; ++t) {
+      gather[i * Lp + t] = b.starts[i] + t;
+      valid[i * Lp + t] = 1;
+      valid_pos.push_back(i * Lp + t);
+      seq_pos.push_back(b.starts[i] + t);
+    }
+  }
+  BucketTensors bt;
+  bt.gather = torch::tensor(gather, torch::kInt64);
+  bt.valid_pos = torch::tensor(valid_pos, torch::kInt64);
+  bt.seq_pos = torch::tensor(seq_pos, torch::kInt64);
+  auto valid_k = torch::from_blob(valid.data(), {B, 1, Lp}, torch::kUInt8).to(torch::kBool);
+  bt.allowed = valid_k.expand({B, Lp, Lp});
+  bt.valid_q = valid_k.view({B, Lp, 1}).to(torch::kFloat32);
+  if (causal) bt.allowed = bt.allowed & torch::ones({Lp, Lp}, torch::kBool).tril();
+  return bt;
+}
+
+// Splits segments into dense buckets (length <= block, bucketed by next power of two) and
+// long segments (blockwise path).
+void plan_segments(const std::vector<int64_t>& cu, int64_t block, std::vector<Bucket>& buckets,
+                   std::vector<std::pair<int64_t, int64_t>>& longs) {
+  std::map<int64_t, Bucket> by_len;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const int64_t s = cu[i], len = cu[i + 1] - cu[i];
+    if (len > block) {
+      longs.emplace_back(s, len);
+      continue;
+    }
+    int64_t p = 1;
+    while (p < len) p <<= 1;
+    p = std::min(p, block);
+    auto& b = by_len[p];
+    b.length = p;
+    b.starts.push_back(s);
+    b.lens.push_back(len);
+  }
+  for (auto& kv : by_len) buckets.push_back(std::move(kv.second));
+}
+
+// Gathers (H, S, D) -> (H, B, Lp, D) for one bucket.
+Tensor gather_bucket(const Tensor& x, const BucketTensors& bt, int64_t B, int64_t Lp) {
+  return x.index_select(1, bt.gather).view({x.size(0), B, Lp, x.size(2)});
+}
+
+// Writes the valid rows of (H, B, Lp, D|none) back into (H, S, ...) at the bucket's positions.
+void scatter_bucket(Tensor& dst, const Tensor& src, const BucketTensors& bt) {
+  auto flat = src.reshape({src.size(0), src.size(1) * src.size(2), -1});
+  auto rows = flat.index_select(1, bt.valid_pos);
+  if (dst.dim() == 2) rows = rows.squeeze(-1);
+  dst.index_copy_(1, bt.seq_pos, rows);
+}
+
+Tensor bucket_scores(const Tensor& qb, const Tensor& kb, const BucketTensors& bt, double scale) {
+  auto s = torch::matmul(qb, kb.transpose(-1, -2)).mul_(scale);  // (H, B, Lp, Lp)
+  return s.masked_fill_(bt.allowed.logical_not().unsqueeze(0), kNegInf);
+}
+
+Tensor block_scores(const Tensor& qi, const Tensor& kj, int64_t i0, int64_t j0, bool causal,
+                    double scale) {
+  auto s = torch::matmul(qi, kj.transpose(-1, -2)).mul_(scale);  // (H, bq, bk)
+  const int64_t bq = qi.size(1), bk = kj.size(1);
+  if (causal && j0 + bk - 1 > i0) {
+    auto qpos = torch::arange(i0, i0 + bq, torch::kInt64).unsqueeze(1);
+    auto kpos = torch::arange(j0, j0 + bk, torch::kInt64).unsqueeze(0);
+    s.masked_fill_((kpos > qpos).unsqueeze(0), kNegInf);
+  }
+  return s;
+}
+
+struct Forward {
+  Tensor out;  // (H, S, D) fp32
+  Tensor lse;  // (H, S) fp32
+};
+
+Forward forward_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                     const std::vector<int64_t>& cu, bool causal, int64_t block) {
+  const int64_t H = q.size(0), S = q.size(1), D = q.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  Forward f{torch::zeros({H, S, D}, q.options()), torch::zeros({H, S}, q.options())};
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<int64_t, int64_t>> longs;
+  plan_segments(cu, block, buckets, longs);
+  for (const auto& b : buckets) {
+    const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
+    auto bt = make_bucket_tensors(b, causal);
+    auto s = bucket_scores(gather_bucket(q, bt, B, Lp), gather_bucket(k, bt, B, Lp), bt, scale);
+    auto lse = s.logsumexp(-1, /*keepdim=*/true);  // (H, B, Lp, 1)
+    auto out = torch::matmul(s.sub_(lse).exp_(), gather_bucket(v, bt, B, Lp));
+    scatter_bucket(f.out, out, bt);
+    scatter_bucket(f.lse, lse, bt);
+  }
+  for (const auto& [s0, len] : longs) {
+    for (int64_t i0 = 0; i0 < len; i0 += block) {
+      const int64_t bq = std::min(block, len - i0);
+      auto qi = q.narrow(1, s0 + i0, bq);
+      auto m = torch::full({H, bq, 1}, kNegInf, q.options());
+      auto l = torch::zeros({H, bq, 1}, q.options());
+      auto acc = torch::zeros({H, bq, D}, q.options());
+      const int64_t j_end = causal ? i0 + bq : len;
+      for (int64_t j0 = 0; j0 < j_end; j0 += block) {
+        const int64_t bk = std::min(block, j_end - j0);
+        auto s = block_scores(qi, k.narrow(1, s0 + j0, bk), i0, j0, causal, scale);
+        auto m_new = torch::maximum(m, std::get<0>(s.max(-1, /*keepdim=*/true)));
+        auto p = s.sub_(m_new).exp_();
+        auto alpha = (m - m_new).exp_();
+        l.mul_(alpha).add_(p.sum(-1, /*keepdim=*/true));
+        acc.mul_(alpha).add_(torch::matmul(p, v.narrow(1, s0 + j0, bk)));
+        m = m_new;
+      }
+      f.out.narrow(1, s0 + i0, bq).copy_(acc.div_(l));
+      f.lse.narrow(1, s0 + i0, bq).copy_((m + l.log()).squeeze(-1));
+    }
+  }
+  return f;
+}
+
+struct Grads {
+  Tensor dq, dk, dv;  // (H, S, D) fp32
+};
+
+Grads backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                    const Tensor& lse, const Tensor& dout, const std::vector<int64_t>& cu,
+                    bool causal, int64_t block) {
+  const int64_t H = q.size(0), S = q.size(1), D = q.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  Grads g{torch::zeros_like(q), torch::zeros_like(k), torch::zeros_like(v)};
+  auto delta = (dout * out).sum(-1);  // (H, S)
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<int64_t, int64_t>> longs;
+  plan_segments(cu, block, buckets, longs);
+  for (const auto& b : buckets) {
+    const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
+    auto bt = make_bucket_tensors(b, causal);
+    auto qb = gather_bucket(q, bt, B, Lp), kb = gather_bucket(k, bt, B, Lp);
+    auto vb = gather_bucket(v, bt, B, Lp), dob = gather_bucket(dout, bt, B, Lp);
+    auto lseb = lse.index_select(1, bt.gather).view({H, B, Lp, 1});
+    auto deltab = delta.index_select(1, bt.gather).view({H, B, Lp, 1});
+    // Padding query rows see real keys; zero them so they add nothing to dk, dv.
+    auto p = bucket_scores(qb, kb, bt, scale).sub_(lseb).exp_().mul_(bt.valid_q);  // (H, B, Lp, Lp)
+    auto dv = torch::matmul(p.transpose(-1, -2), dob);
+    auto ds = torch::matmul(dob, vb.transpose(-1, -2)).sub_(deltab).mul_(p).mul_(scale);
+    scatter_bucket(g.dq, torch::matmul(ds, kb), bt);
+    scatter_bucket(g.dk, torch::matmul(ds.transpose(-1, -2), qb), bt);
+    scatter_bucket(g.dv, dv, bt);
+  }
+  for (const auto& [s0, len] : longs) {
+    for (int64_t i0 = 0; i0 < len; i0 += block) {
+      const int64_t bq = std::min(block, len - i0);
+      auto qi = q.narrow(1, s0 + i0, bq), doi = dout.narrow(1, s0 + i0, bq);
+      auto lsei = lse.narrow(1, s0 + i0, bq).unsqueeze(-1);
+      auto deltai = delta.narrow(1, s0 + i0, bq).unsqueeze(-1);
+      auto dqi = g.dq.narrow(1, s0 + i0, bq);
+      const int64_t j_end = causal ? i0 + bq : len;
+      for (int64_t j0 = 0; j0 < j_end; j0 += block) {
+        const int64_t bk = std::min(block, j_end - j0);
+        auto kj = k.narrow(1, s0 + j0, bk), vj = v.narrow(1, s0 + j0, bk);
+        auto p = block_scores(qi, kj, i0, j0, causal, scale).sub_(lsei).exp_();
+        g.dv.narrow(1, s0 + j0, bk).add_(torch::matmul(p.transpose(-1, -2), doi));
+        auto ds = torch::matmul(doi, vj.transpose(-1, -2)).sub_(deltai).mul_(p).mul_(scale);
+        dqi.add_(torch::matmul(ds, kj));
+        g.dk.narrow(1, s0 + j0, bk).add_(torch::matmul(ds.transpose(-1, -2), qi));
+      }
+    }
+  }
+  return g;
+}
+
+// (S, H, D) any dtype -> (H, S, D) fp32 contiguous.
+Tensor to_heads_major(const Tensor& x) {
+  return x.transpose(0, 1).to(torch::kFloat32).contiguous();
+}
+
+struct VarlenAttentionFn : public torch::autograd::Function<VarlenAttentionFn> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                        const Tensor& v, const std::vector<int64_t>& cu, bool causal,
+                        int64_t block) {
+    auto qh = to_heads_major(q), kh = to_heads_major(k), vh = to_heads_major(v);
+    auto f = forward_impl(qh, kh, vh, cu, causal, block);
+    ctx->save_for_backward({qh, kh, vh, f.out, f.lse});
+    ctx->saved_data["cu"] = cu;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(q.scalar_type());
+    return f.out.transpose(0, 1).to(q.scalar_type());
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto cu = ctx->saved_data["cu"].toIntVector();
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const int64_t block = ctx->saved_data["block"].toInt();
+    const auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
+    auto g = backward_impl(saved[0], saved[1], saved[2], saved[3], saved[4],
+                           to_heads_major(grads[0]), cu, causal, block);
+    auto back = [&](const Tensor& t) { return t.transpose(0, 1).to(dtype); };
+    return {back(g.dq), back(g.dk), back(g.dv), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+void check_cu_seqlens(const std::vector<int64_t>& cu, int64_t total, const char* what) {
+  DHP_CHECK(cu.size() >= 2 && cu.front() == 0 && cu.back() == total, what,
+            ": cu_seqlens must start at 0 and end at the sequence length ", total, ", got ",
+            cu.size(), " offsets ending at ", cu.empty() ? -1 : cu.back());
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    DHP_CHECK(cu[i + 1] > cu[i], what, ": cu_seqlens must be strictly increasing, got ", cu[i],
+              " then ", cu[i + 1], " at index ", i);
+  }
+}
+
+Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const std::vector<int64_t>& cu_seqlens,
+                        const VarlenAttentionOptions& options) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "varlen_attention: q, k, v must all be (S, H, D), got ", q.sizes(), ", ", k.sizes(),
+              ", ", v.sizes());
+  TORCH_CHECK(options.block_size > 0, "varlen_attention: block_size must be > 0");
+  check_cu_seqlens(cu_seqlens, q.size(0), "varlen_attention");
+  return VarlenAttentionFn::apply(q, k, v, cu_seqlens, options.causal, options.block_size);
+}
+
+Tensor varlen_attention_naive(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const std::vector<int64_t>& cu, bool causal) {
+  check_cu_seqlens(cu, q.size(0), "varlen_attention_naive");
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  std::vector<Tensor> outs;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const int64_t s0 = cu[i], len = cu[i + 1] - cu[i];
+    auto qs = q.narrow(0, s0, len).transpose(0, 1).to(torch::kFloat32);  // (H, L, D)
+    auto ks = k.narrow(0, s0, len).transpose(0, 1).to(torch::kFloat32);
+    auto vs = v.narrow(0, s0, len).transpose(0, 1).to(torch::kFloat32);
+    auto s = torch::matmul(qs, ks.transpose(-1, -2)) * scale;
+    if (causal) {
+      auto mask = torch::ones({len, len}, torch::kBool).triu(1);
+      s = s.masked_fill(mask, kNegInf);
+    }
+    outs.push_back(torch::matmul(torch::softmax(s, -1), vs).transpose(0, 1));
+  }
+  return torch::cat(outs, 0).to(q.scalar_type());
+}
+
+}  // namespace dhp::nn

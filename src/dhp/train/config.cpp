@@ -1,0 +1,64 @@
+#include "dhp/train/config.h"
+
+#include "dhp/core/memory.h"
+
+namespace dhp {
+
+Config load_config(const ConfigTree& tree) {
+  Config c;
+  const YAML::Node& root = tree.root();
+  // The model preset decides the defaults the rest of the model section overrides.
+  YAML::Node model = root["model"];
+  if (model && model.IsMap() && model["preset"]) {
+    Binder b(tree, model, "model.");
+    b.field("preset", c.model.preset, "");
+  }
+  try {
+    c.model.config = qwen::preset(c.model.preset);
+  } catch (const Error& e) {
+    const std::string o = tree.origin("model.preset");
+    DHP_FAIL("model.preset", o.empty() ? "" : " (from " + o + ")", ": ", e.what());
+  }
+  Binder::bind(tree, root, "", c);
+  c.validate();
+  return c;
+}
+
+Config load_config(const std::string& file, const std::vector<std::string>& sets) {
+  ConfigTree tree;
+  if (!file.empty()) tree.merge_file(file);
+  for (const auto& s : sets) tree.merge_set(s);
+  return load_config(tree);
+}
+
+void Config::validate() const {
+  model.config.validate();
+  DHP_CHECK(data.dataset == "shapes", "data.dataset='", data.dataset,
+            "' is not supported; available: shapes");
+  DHP_CHECK(data.batch_size > 0, "data.batch_size must be > 0, got ", data.batch_size);
+  DHP_CHECK(data.eval_samples >= 0, "data.eval_samples must be >= 0, got ", data.eval_samples);
+  DHP_CHECK(training.steps > 0, "training.steps must be > 0, got ", training.steps);
+  DHP_CHECK(training.micro_batches > 0 && training.micro_batches <= data.batch_size,
+            "training.micro_batches=", training.micro_batches, " must be in [1, data.batch_size=",
+            data.batch_size, "]");
+  DHP_CHECK(training.precision == "fp32" || training.precision == "bf16",
+            "training.precision must be fp32 or bf16, got '", training.precision, "'");
+  DHP_CHECK(training.lr > 0 && training.min_lr >= 0 && training.min_lr <= training.lr,
+            "training.lr=", training.lr, " and training.min_lr=", training.min_lr,
+            " must satisfy 0 <= min_lr <= lr, lr > 0");
+  DHP_CHECK(training.warmup_steps >= 0, "training.warmup_steps must be >= 0");
+  DHP_CHECK(training.weight_decay >= 0, "training.weight_decay must be >= 0");
+  DHP_CHECK(training.beta1 >= 0 && training.beta1 < 1 && training.beta2 >= 0 && training.beta2 < 1,
+            "training.beta1 and training.beta2 must be in [0, 1)");
+  DHP_CHECK(training.eps > 0, "training.eps must be > 0");
+  DHP_CHECK(training.grad_clip >= 0, "training.grad_clip must be >= 0");
+  DHP_CHECK(training.threads >= 0, "training.threads must be >= 0");
+  DHP_CHECK(training.attention_block > 0, "training.attention_block must be > 0");
+  DHP_CHECK(training.log_every > 0, "training.log_every must be > 0");
+  parse_bytes(training.memory_limit, "training.memory_limit");
+  DHP_CHECK(parallel.strategy == "none", "parallel.strategy='", parallel.strategy,
+            "' is not available in this build yet; use none (single process)");
+  DHP_CHECK(!output.dir.empty(), "output.dir must not be empty");
+}
+
+}  // namespace dhp

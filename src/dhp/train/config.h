@@ -1,0 +1,116 @@
+// The resolved run configuration: every section of a dhp YAML config as typed options
+// with defaults. Load with load_config(); unknown keys and bad values are errors naming
+// the key and the file (or --set) they came from.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dhp/core/options.h"
+#include "dhp/models/qwen2_5_vl/config.h"
+
+namespace dhp {
+
+struct ModelOptions {
+  std::string preset = "demo";  // demo, bench, qwen2.5-vl-3b, -7b, -32b, -72b
+  qwen::ModelConfig config;     // the preset, with any model.vision.* / model.text.* override
+  template <class V>
+  void visit(V& v) {
+    v.field("preset", preset, "demo, bench, qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-32b, qwen2.5-vl-72b");
+    config.visit(v);
+  }
+};
+
+struct DataOptions {
+  std::string dataset = "shapes";  // built-in synthetic task
+  int64_t batch_size = 16;         // global batch: samples per optimizer step
+  int64_t eval_samples = 256;      // held-out samples for the final evaluation
+  int64_t min_side = 112;          // synthetic image side range (pixels)
+  int64_t max_side = 224;
+  int64_t seed = 1234;             // dataset seed (held-out set uses a different stream)
+  template <class V>
+  void visit(V& v) {
+    v.field("dataset", dataset, "dataset: shapes (built-in synthetic task)");
+    v.field("batch_size", batch_size, "global batch size (samples per optimizer step)");
+    v.field("eval_samples", eval_samples, "held-out samples evaluated at the end (0 = none)");
+    v.field("min_side", min_side, "smallest synthetic image side in pixels");
+    v.field("max_side", max_side, "largest synthetic image side in pixels");
+    v.field("seed", seed, "dataset seed");
+  }
+};
+
+struct TrainingOptions {
+  int64_t steps = 300;                    // optimizer steps
+  int64_t seed = 0;                       // parameter init seed
+  int64_t micro_batches = 1;              // gradient accumulation: micro-batches per step
+  std::string precision = "fp32";         // fp32 or bf16 (bf16 compute, fp32 master weights)
+  bool activation_checkpointing = false;  // recompute each layer in backward
+  double lr = 2e-3;                       // peak learning rate
+  double min_lr = 1e-4;                   // cosine floor
+  int64_t warmup_steps = 20;              // linear warm-up steps
+  double weight_decay = 0.05;             // AdamW decoupled decay (not on norms and biases)
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;                 // max global grad norm (0 = off)
+  int64_t threads = 0;                    // intra-op threads (0 = all cores)
+  int64_t attention_block = 256;          // attention block length
+  std::string memory_limit = "0";         // per-process CPU tensor budget, e.g. 8GiB (0 = none)
+  int64_t log_every = 10;                 // progress lines when stderr is not a terminal
+  template <class V>
+  void visit(V& v) {
+    v.field("steps", steps, "optimizer steps");
+    v.field("seed", seed, "parameter init seed");
+    v.field("micro_batches", micro_batches, "micro-batches per step (gradient accumulation)");
+    v.field("precision", precision, "fp32 or bf16 (bf16 compute, fp32 master weights and optimizer state)");
+    v.field("activation_checkpointing", activation_checkpointing, "recompute each layer in backward");
+    v.field("lr", lr, "peak learning rate");
+    v.field("min_lr", min_lr, "learning rate at the end of the cosine decay");
+    v.field("warmup_steps", warmup_steps, "linear warm-up steps");
+    v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (none on norms and biases)");
+    v.field("beta1", beta1, "AdamW beta1");
+    v.field("beta2", beta2, "AdamW beta2");
+    v.field("eps", eps, "AdamW epsilon");
+    v.field("grad_clip", grad_clip, "clip gradients to this global norm (0 = off)");
+    v.field("threads", threads, "intra-op threads (0 = all cores)");
+    v.field("attention_block", attention_block, "attention block length (flash-style tiling)");
+    v.field("memory_limit", memory_limit, "CPU tensor memory budget, e.g. 8GiB (0 = unlimited)");
+    v.field("log_every", log_every, "steps between progress lines when not on a terminal");
+  }
+};
+
+struct ParallelOptions {
+  std::string strategy = "none";  // single process for now
+  template <class V>
+  void visit(V& v) { v.field("strategy", strategy, "parallel strategy: none (single process)"); }
+};
+
+struct OutputOptions {
+  std::string dir = "runs/demo";  // run directory: metrics.jsonl, config.yaml
+  template <class V>
+  void visit(V& v) { v.field("dir", dir, "run directory (metrics.jsonl, config.yaml)"); }
+};
+
+struct Config {
+  ModelOptions model;
+  DataOptions data;
+  TrainingOptions training;
+  ParallelOptions parallel;
+  OutputOptions output;
+  template <class V>
+  void visit(V& v) {
+    v.section("model", model, "model architecture (a preset plus overrides)");
+    v.section("data", data, "dataset and batch");
+    v.section("training", training, "optimisation");
+    v.section("parallel", parallel, "parallel strategy");
+    v.section("output", output, "where results go");
+  }
+  // Throws dhp::Error naming the bad key and value.
+  void validate() const;
+};
+
+// Loads the config: defaults, then the file (if any), then each --set in order.
+Config load_config(const std::string& file, const std::vector<std::string>& sets);
+Config load_config(const ConfigTree& tree);
+
+}  // namespace dhp

@@ -1,0 +1,50 @@
+#include "dhp/train/flops.h"
+
+#include <set>
+
+namespace dhp::train {
+namespace {
+
+// sum over segments of (visible query-key pairs)
+double attention_pairs(const std::vector<int64_t>& cu, bool causal) {
+  double pairs = 0;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const double s = static_cast<double>(cu[i + 1] - cu[i]);
+    pairs += causal ? s * (s + 1) / 2 : s * s;
+  }
+  return pairs;
+}
+
+}  // namespace
+
+double vision_forward_flops(const qwen::VisionConfig& c, const qwen::VisionPlan& plan) {
+  const double N = static_cast<double>(plan.num_patches), h = static_cast<double>(c.hidden_size);
+  const double I = static_cast<double>(c.intermediate_size);
+  double f = 2 * N * static_cast<double>(c.patch_dim()) * h;
+  const std::set<int64_t> full(c.fullatt_block_indexes.begin(), c.fullatt_block_indexes.end());
+  for (int64_t i = 0; i < c.depth; ++i) {
+    f += 2 * N * h * (3 * h + h + 3 * I);
+    f += 4 * h * attention_pairs(full.count(i) ? plan.cu_seqlens : plan.cu_window_seqlens, false);
+  }
+  const double unit = static_cast<double>(c.spatial_merge_size * c.spatial_merge_size);
+  const double merged = unit * h, M = N / unit;
+  f += 2 * M * merged * merged + 2 * M * merged * static_cast<double>(c.out_hidden_size);
+  return f;
+}
+
+double text_forward_flops(const qwen::TextConfig& c, const std::vector<int64_t>& cu, int64_t targets) {
+  const double L = static_cast<double>(cu.back()), h = static_cast<double>(c.hidden_size);
+  const double kv = static_cast<double>(c.num_kv_heads * c.head_dim());
+  const double I = static_cast<double>(c.intermediate_size);
+  const double per_layer = 2 * L * (h * h + 2 * h * kv + h * h + 3 * h * I) + 4 * h * attention_pairs(cu, true);
+  return static_cast<double>(c.num_layers) * per_layer +
+         2 * static_cast<double>(targets) * h * static_cast<double>(c.vocab_size);
+}
+
+double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& b) {
+  double f = text_forward_flops(cfg.text, b.cu_seqlens, b.num_target_tokens());
+  if (!b.grid_thw.empty()) f += vision_forward_flops(cfg.vision, qwen::make_vision_plan(b.grid_thw, cfg.vision));
+  return 3 * f;
+}
+
+}  // namespace dhp::train

@@ -1,0 +1,16 @@
+// Model FLOPs of a batch, counted from the shapes: GEMMs (2*m*n*k) and attention
+// (QK^T and PV over each segment; causal counts the visible pairs only). Training FLOPs
+// are 3x forward (backward = 2x forward); activation recomputation is not counted, as in
+// the usual model-FLOPs-utilisation convention.
+#pragma once
+
+#include "dhp/models/qwen2_5_vl/model.h"
+
+namespace dhp::train {
+
+double vision_forward_flops(const qwen::VisionConfig& cfg, const qwen::VisionPlan& plan);
+double text_forward_flops(const qwen::TextConfig& cfg, const std::vector<int64_t>& cu_seqlens,
+                          int64_t target_tokens);
+double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& batch);
+
+}  // namespace dhp::train

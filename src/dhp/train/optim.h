@@ -1,0 +1,55 @@
+// AdamW with decoupled weight decay and fp32 master weights, the learning-rate schedule,
+// and gradient clipping by global norm. Local (no communication); not thread-safe.
+#pragma once
+
+#include <torch/types.h>
+
+#include <string>
+#include <vector>
+
+namespace dhp::train {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+struct NamedParam {
+  std::string name;
+  torch::Tensor param;  // the model's parameter (fp32 or bf16)
+  bool decay = true;    // decoupled weight decay applies
+};
+
+// Keeps an fp32 master copy of every non-fp32 parameter and fp32 moments; step() updates
+// the masters from the (any dtype) gradients and writes them back into the parameters.
+class AdamW {
+ public:
+  AdamW(std::vector<NamedParam> params, AdamWOptions options);
+  // One update with learning rate `lr`. Parameters without a gradient are skipped.
+  void step(double lr);
+  void zero_grad();
+  int64_t step_count() const { return step_; }
+  const std::vector<NamedParam>& params() const { return params_; }
+
+ private:
+  struct State {
+    torch::Tensor master, exp_avg, exp_avg_sq;
+  };
+  std::vector<NamedParam> params_;
+  std::vector<State> state_;
+  AdamWOptions options_;
+  int64_t step_ = 0;
+};
+
+// Linear warm-up from 0 to `lr` over `warmup` steps, then cosine decay to `min_lr` at
+// `total` steps. `step` counts from 0.
+double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_lr);
+
+// Global L2 norm of all gradients (fp32 accumulation).
+double grad_norm(const std::vector<NamedParam>& params);
+// Scales gradients so their global norm is at most max_norm; returns the norm before.
+double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm);
+
+}  // namespace dhp::train

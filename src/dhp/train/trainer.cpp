@@ -1,0 +1,217 @@
+#include "dhp/train/trainer.h"
+
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "dhp/core/log.h"
+#include "dhp/core/memory.h"
+#include "dhp/train/flops.h"
+
+namespace dhp::train {
+namespace {
+
+data::ShapesOptions shapes_options(const Config& cfg, uint64_t stream) {
+  data::ShapesOptions o;
+  o.min_side = cfg.data.min_side;
+  o.max_side = cfg.data.max_side;
+  o.seed = static_cast<uint64_t>(cfg.data.seed) * 2 + stream;
+  return o;
+}
+
+void set_attention_block(qwen::Qwen2_5_VLImpl& m, int64_t block) {
+  for (auto& b : *m.visual->blocks) b->as<qwen::VisionBlockImpl>()->attn->core = qwen::local_attention_core(block);
+  for (auto& l : *m.model->layers) l->as<qwen::DecoderLayerImpl>()->self_attn->core = qwen::local_attention_core(block);
+}
+
+std::string fmt_duration(double s) {
+  char buf[32];
+  const int t = static_cast<int>(s + 0.5);
+  if (t >= 3600) std::snprintf(buf, sizeof(buf), "%dh%02dm", t / 3600, (t / 60) % 60);
+  else std::snprintf(buf, sizeof(buf), "%dm%02ds", t / 60, t % 60);
+  return buf;
+}
+
+std::string metrics_json(const StepMetrics& m) {
+  std::ostringstream os;
+  os << std::setprecision(8) << "{\"step\": " << m.step << ", \"loss\": " << m.loss << ", \"lr\": " << m.lr
+     << ", \"grad_norm\": " << m.grad_norm << ", \"tokens_per_s\": " << m.tokens_per_s
+     << ", \"patches_per_s\": " << m.patches_per_s << ", \"step_time_s\": " << m.step_time_s
+     << ", \"tokens\": " << m.tokens << ", \"target_tokens\": " << m.target_tokens
+     << ", \"patches\": " << m.patches << ", \"peak_bytes\": " << m.peak_bytes
+     << ", \"model_flops\": " << m.model_flops << "}";
+  return os.str();
+}
+
+}  // namespace
+
+std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model) {
+  std::vector<NamedParam> out;
+  for (auto& kv : model.named_parameters(true)) {
+    out.push_back({kv.key(), kv.value(), qwen::decays(kv.key(), kv.value())});
+  }
+  return out;
+}
+
+qwen::Qwen2_5_VL build_model(const Config& cfg) {
+  qwen::Qwen2_5_VL m(cfg.model.config);
+  qwen::init_parameters(*m, static_cast<uint64_t>(cfg.training.seed), cfg.model.config.initializer_range);
+  if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
+  m->set_activation_checkpointing(cfg.training.activation_checkpointing);
+  set_attention_block(*m, cfg.training.attention_block);
+  return m;
+}
+
+Trainer::Trainer(const Config& cfg)
+    : cfg_(cfg),
+      train_data_(cfg.model.config, shapes_options(cfg, 0)),
+      eval_data_(cfg.model.config, shapes_options(cfg, 1)) {
+  if (cfg_.training.threads > 0) torch::set_num_threads(static_cast<int>(cfg_.training.threads));
+  set_memory_limit(parse_bytes(cfg_.training.memory_limit, "training.memory_limit"));
+  model_ = build_model(cfg_);
+  AdamWOptions o;
+  o.beta1 = cfg_.training.beta1;
+  o.beta2 = cfg_.training.beta2;
+  o.eps = cfg_.training.eps;
+  o.weight_decay = cfg_.training.weight_decay;
+  optim_ = std::make_unique<AdamW>(named_params(*model_), o);
+}
+
+std::vector<qwen::Batch> Trainer::step_batches(int64_t step) const {
+  const int64_t B = cfg_.data.batch_size, M = cfg_.training.micro_batches;
+  std::vector<qwen::Batch> out;
+  int64_t next = step * B;
+  for (int64_t mb = 0; mb < M; ++mb) {
+    const int64_t n = B / M + (mb < B % M ? 1 : 0);
+    std::vector<data::Sample> samples;
+    for (int64_t i = 0; i < n; ++i) samples.push_back(train_data_.get(next++));
+    out.push_back(data::collate(samples, cfg_.model.config));
+  }
+  return out;
+}
+
+StepMetrics Trainer::train_step() {
+  Timer timer;
+  reset_memory_peak();
+  auto batches = step_batches(step_);
+  StepMetrics m;
+  for (const auto& b : batches) {
+    m.target_tokens += b.num_target_tokens();
+    m.tokens += b.input_ids.numel();
+    m.patches += b.pixel_values.defined() ? b.pixel_values.size(0) : 0;
+    m.model_flops += training_flops(cfg_.model.config, b);
+  }
+  DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
+  optim_->zero_grad();
+  double loss_sum = 0;
+  for (auto& b : batches) {
+    auto out = model_->forward(b);
+    auto loss = out.loss_sum / static_cast<double>(m.target_tokens);  // mean over the global batch
+    loss.backward();
+    loss_sum += out.loss_sum.item<double>();
+  }
+  m.grad_norm = clip_grad_norm(optim_->params(), cfg_.training.grad_clip);
+  m.lr = lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
+  optim_->step(m.lr);
+  ++step_;
+  m.step = step_;
+  m.loss = loss_sum / static_cast<double>(m.target_tokens);
+  m.step_time_s = timer.seconds();
+  m.tokens_per_s = static_cast<double>(m.tokens) / m.step_time_s;
+  m.patches_per_s = static_cast<double>(m.patches) / m.step_time_s;
+  m.peak_bytes = memory_peak_bytes();
+  return m;
+}
+
+EvalResult Trainer::evaluate(int64_t num_samples) {
+  torch::NoGradGuard no_grad;
+  EvalResult r;
+  double loss_sum = 0;
+  int64_t tokens = 0;
+  const int64_t chunk = std::max<int64_t>(1, cfg_.data.batch_size);
+  for (int64_t start = 0; start < num_samples; start += chunk) {
+    std::vector<data::Sample> samples;
+    for (int64_t i = start; i < std::min(num_samples, start + chunk); ++i) samples.push_back(eval_data_.get(i));
+    auto b = data::collate(samples, cfg_.model.config);
+    auto logits = model_->target_logits(b);  // (n, vocab), target positions in order
+    auto sel = b.targets.ne(-100).nonzero().squeeze(-1);
+    auto tgt = b.targets.index_select(0, sel);
+    loss_sum += torch::nn::functional::cross_entropy(
+                    logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                    .item<double>();
+    tokens += tgt.numel();
+    auto correct = logits.argmax(-1).eq(tgt);
+    // Sample of each target position: count of cu_seqlens offsets <= position, minus one.
+    auto cu = torch::tensor(b.cu_seqlens, torch::kInt64);
+    auto sample = torch::searchsorted(cu, sel, /*out_int32=*/false, /*right=*/true) - 1;
+    auto wrong = torch::zeros({b.num_samples()}, torch::kInt64).index_add_(0, sample, correct.logical_not().to(torch::kInt64));
+    r.exact += wrong.eq(0).sum().item<int64_t>();
+    r.samples += b.num_samples();
+  }
+  r.accuracy = r.samples ? static_cast<double>(r.exact) / static_cast<double>(r.samples) : 0;
+  r.loss = tokens ? loss_sum / static_cast<double>(tokens) : 0;
+  return r;
+}
+
+EvalResult Trainer::run() {
+  namespace fs = std::filesystem;
+  const fs::path dir(cfg_.output.dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream c(dir / "config.yaml");
+    c << "# resolved dhp config (dhp " << DHP_VERSION << ")\n" << to_yaml(cfg_);
+  }
+  std::ofstream metrics(dir / "metrics.jsonl");
+  DHP_CHECK(metrics.good(), "cannot write ", (dir / "metrics.jsonl").string());
+  const auto pc = qwen::count_parameters(cfg_.model.config);
+  log_info("model " + cfg_.model.preset + ": " + std::to_string(pc.vision) + " vision + " +
+           std::to_string(pc.text) + " text parameters; " + std::to_string(cfg_.training.steps) +
+           " steps of " + std::to_string(cfg_.data.batch_size) + " samples; threads " +
+           std::to_string(torch::get_num_threads()) + "; run dir " + dir.string());
+  const bool tty = isatty(2);
+  Timer total;
+  double first_loss = 0, last_loss = 0;
+  for (int64_t s = 0; s < cfg_.training.steps; ++s) {
+    auto m = train_step();
+    metrics << metrics_json(m) << "\n";
+    metrics.flush();
+    if (s == 0) first_loss = m.loss;
+    last_loss = m.loss;
+    const double eta = total.seconds() / static_cast<double>(s + 1) * static_cast<double>(cfg_.training.steps - s - 1);
+    char line[256];
+    std::snprintf(line, sizeof(line), "step %lld/%lld loss %.4f lr %.2e tok/s %.0f ETA %s peak %s",
+                  static_cast<long long>(m.step), static_cast<long long>(cfg_.training.steps), m.loss, m.lr,
+                  m.tokens_per_s, fmt_duration(eta).c_str(), format_bytes(m.peak_bytes).c_str());
+    if (tty) {
+      const int width = 24, done = static_cast<int>(width * m.step / cfg_.training.steps);
+      std::fprintf(stderr, "\r[%s%s] %s   ", std::string(done, '#').c_str(), std::string(width - done, '.').c_str(), line);
+      if (m.step == cfg_.training.steps) std::fprintf(stderr, "\n");
+    } else if (m.step % cfg_.training.log_every == 0 || m.step == 1 || m.step == cfg_.training.steps) {
+      std::fprintf(stderr, "%s\n", line);
+    }
+    std::fflush(stderr);
+  }
+  const double train_s = total.seconds();
+  EvalResult ev;
+  if (cfg_.data.eval_samples > 0) ev = evaluate(cfg_.data.eval_samples);
+  std::ofstream summary(dir / "summary.json");
+  summary << std::setprecision(8) << "{\"steps\": " << cfg_.training.steps << ", \"first_loss\": " << first_loss
+          << ", \"final_loss\": " << last_loss << ", \"train_seconds\": " << train_s
+          << ", \"eval_samples\": " << ev.samples << ", \"eval_exact_match\": " << ev.accuracy
+          << ", \"eval_loss\": " << ev.loss << ", \"chance\": " << 1.0 / static_cast<double>(train_data_.num_answers())
+          << "}\n";
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "done in %s: loss %.4f -> %.4f; held-out exact match %lld/%lld = %.1f%% (chance %.1f%%)",
+                fmt_duration(train_s).c_str(), first_loss, last_loss, static_cast<long long>(ev.exact),
+                static_cast<long long>(ev.samples), 100 * ev.accuracy, 100.0 / static_cast<double>(train_data_.num_answers()));
+  log_info(line);
+  return ev;
+}
+
+}  // namespace dhp::train
