@@ -2,12 +2,14 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <torch/version.h>
 
 #include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <mutex>
 
 namespace dhp {
@@ -18,22 +20,21 @@ std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_limit{0};
 std::atomic<bool> g_installed{false};
 
-// Owns the inner allocation; the DataPtr's context.
-struct Block {
-  c10::DataPtr inner;
-  int64_t bytes;
-};
+// Every block carries a 64-byte header holding its size, so the data pointer can be its
+// own deleter context (libtorch's raw_allocate requires that) and alignment stays 64.
+constexpr size_t kHeader = 64;
 
-void delete_block(void* ctx) {
-  auto* b = static_cast<Block*>(ctx);
-  g_live.fetch_sub(b->bytes, std::memory_order_relaxed);
-  delete b;
+void delete_block(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  int64_t bytes = 0;
+  std::memcpy(&bytes, base, sizeof(bytes));
+  g_live.fetch_sub(bytes, std::memory_order_relaxed);
+  c10::free_cpu(base);
 }
 
 class AccountingAllocator final : public c10::Allocator {
  public:
-  explicit AccountingAllocator(c10::Allocator* base) : base_(base) {}
-
 #if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 3
   c10::DataPtr allocate(size_t n) override { return do_allocate(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -42,7 +43,7 @@ class AccountingAllocator final : public c10::Allocator {
 #else
   c10::DataPtr allocate(size_t n) const override { return do_allocate(n); }
 #endif
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
 
  private:
   c10::DataPtr do_allocate(size_t n) const {
@@ -58,19 +59,17 @@ class AccountingAllocator final : public c10::Allocator {
     int64_t peak = g_peak.load(std::memory_order_relaxed);
     while (live > peak && !g_peak.compare_exchange_weak(peak, live)) {
     }
-    c10::DataPtr inner;
+    void* base = nullptr;
     try {
-      inner = base_->allocate(n);
+      base = c10::alloc_cpu(n + kHeader);
     } catch (...) {
       g_live.fetch_sub(bytes, std::memory_order_relaxed);
       throw;
     }
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* block = new Block{std::move(inner), bytes};
-    return c10::DataPtr(data, block, &delete_block, device);
+    std::memcpy(base, &bytes, sizeof(bytes));
+    void* data = static_cast<char*>(base) + kHeader;
+    return c10::DataPtr(data, data, &delete_block, c10::Device(c10::DeviceType::CPU));
   }
-  c10::Allocator* base_;
 };
 
 }  // namespace
@@ -78,7 +77,7 @@ class AccountingAllocator final : public c10::Allocator {
 void install_memory_accounting() {
   static std::once_flag once;
   std::call_once(once, [] {
-    static AccountingAllocator alloc(c10::GetDefaultCPUAllocator());
+    static AccountingAllocator alloc;
     c10::SetCPUAllocator(&alloc, /*priority=*/100);
     g_installed = true;
   });

@@ -83,7 +83,7 @@ void ConfigTree::merge_set(const std::string& assignment) {
   YAML::Node cur = doc;
   for (size_t i = 0; i + 1 < parts.size(); ++i) {
     cur[parts[i]] = YAML::Node(YAML::NodeType::Map);
-    cur = cur[parts[i]];
+    cur.reset(cur[parts[i]]);  // rebind (operator= would assign through)
   }
   cur[parts.back()] = v;
   merge_node(root_, doc, "", "--set " + assignment);

@@ -13,7 +13,8 @@ namespace {
 
 const char* kColours[] = {"red", "green", "blue", "yellow"};
 const float kRGB[][3] = {{0.9f, 0.1f, 0.1f}, {0.1f, 0.75f, 0.2f}, {0.15f, 0.25f, 0.95f}, {0.95f, 0.85f, 0.1f}};
-const char* kShapes[] = {"square", "circle", "triangle", "cross"};
+const char* kShapes[] = {"square", "triangle", "cross"};
+constexpr int kNumShapes = 3;
 const char* kPlaces[] = {"top left", "top right", "bottom left", "bottom right"};
 
 // Is pixel (x, y) inside a shape of kind `s` centred at (cx, cy) with radius r?
@@ -21,8 +22,7 @@ bool inside(int s, float x, float y, float cx, float cy, float r) {
   const float dx = x - cx, dy = y - cy;
   switch (s) {
     case 0: return std::abs(dx) <= r && std::abs(dy) <= r;
-    case 1: return dx * dx + dy * dy <= r * r;
-    case 2: {  // upward triangle: apex at top, base at bottom
+    case 1: {  // upward triangle: apex at top, base at bottom
       if (dy < -r || dy > r) return false;
       const float half = r * (dy + r) / (2 * r);
       return std::abs(dx) <= half;
@@ -102,7 +102,7 @@ ShapesDataset::ShapesDataset(const qwen::ModelConfig& model, ShapesOptions optio
             model.vision_start_token_id, ", ", model.vision_end_token_id);
 }
 
-int64_t ShapesDataset::num_answers() const { return 4 * 4 * 4; }
+int64_t ShapesDataset::num_answers() const { return 4 * kNumShapes * 4; }
 
 Sample ShapesDataset::get(int64_t index) const {
   std::mt19937_64 rng(options_.seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(index) * 7919 + 1);
@@ -112,8 +112,8 @@ Sample ShapesDataset::get(int64_t index) const {
   const int64_t lo = (options_.min_side + unit - 1) / unit, hi = options_.max_side / unit;
   const int64_t H = unit * (lo + pick(std::max<int64_t>(1, hi - lo + 1)));
   const int64_t W = unit * (lo + pick(std::max<int64_t>(1, hi - lo + 1)));
-  const int colour = pick(4), shape = pick(4), place = pick(4);
-  const float r = static_cast<float>(std::min(H, W)) * static_cast<float>(uni(0.13, 0.2));
+  const int colour = pick(4), shape = pick(kNumShapes), place = pick(4);
+  const float r = static_cast<float>(std::min(H, W)) * static_cast<float>(uni(0.2, 0.26));
   const float qx = (place % 2 == 0 ? 0.25f : 0.75f) * W, qy = (place < 2 ? 0.25f : 0.75f) * H;
   const float cx = qx + static_cast<float>(uni(-0.06, 0.06)) * W;
   const float cy = qy + static_cast<float>(uni(-0.06, 0.06)) * H;

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <iomanip>
 #include <sstream>
+#include <limits>
+#include <thread>
 
 #include "dhp/core/log.h"
 #include "dhp/core/memory.h"
@@ -71,7 +73,8 @@ Trainer::Trainer(const Config& cfg)
     : cfg_(cfg),
       train_data_(cfg.model.config, shapes_options(cfg, 0)),
       eval_data_(cfg.model.config, shapes_options(cfg, 1)) {
-  if (cfg_.training.threads > 0) torch::set_num_threads(static_cast<int>(cfg_.training.threads));
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  torch::set_num_threads(cfg_.training.threads > 0 ? static_cast<int>(cfg_.training.threads) : static_cast<int>(hw));
   set_memory_limit(parse_bytes(cfg_.training.memory_limit, "training.memory_limit"));
   model_ = build_model(cfg_);
   AdamWOptions o;
@@ -133,6 +136,7 @@ EvalResult Trainer::evaluate(int64_t num_samples) {
   EvalResult r;
   double loss_sum = 0;
   int64_t tokens = 0;
+  std::vector<int64_t> slot_hits, slot_total;
   const int64_t chunk = std::max<int64_t>(1, cfg_.data.batch_size);
   for (int64_t start = 0; start < num_samples; start += chunk) {
     std::vector<data::Sample> samples;
@@ -151,10 +155,28 @@ EvalResult Trainer::evaluate(int64_t num_samples) {
     auto sample = torch::searchsorted(cu, sel, /*out_int32=*/false, /*right=*/true) - 1;
     auto wrong = torch::zeros({b.num_samples()}, torch::kInt64).index_add_(0, sample, correct.logical_not().to(torch::kInt64));
     r.exact += wrong.eq(0).sum().item<int64_t>();
+    // Answer slot of each target position: its rank among the sample's target positions.
+    auto first = torch::zeros({b.num_samples()}, torch::kInt64).fill_(std::numeric_limits<int64_t>::max());
+    first.scatter_reduce_(0, sample, sel, "amin");
+    auto slot = sel - first.index_select(0, sample);
+    const int64_t nslots = slot.max().item<int64_t>() + 1;
+    if (static_cast<int64_t>(slot_hits.size()) < nslots) {
+      slot_hits.resize(nslots, 0);
+      slot_total.resize(nslots, 0);
+    }
+    auto hits = torch::zeros({nslots}, torch::kInt64).index_add_(0, slot, correct.to(torch::kInt64));
+    auto tot = torch::bincount(slot, {}, nslots);
+    for (int64_t i = 0; i < nslots; ++i) {
+      slot_hits[i] += hits[i].item<int64_t>();
+      slot_total[i] += tot[i].item<int64_t>();
+    }
     r.samples += b.num_samples();
   }
   r.accuracy = r.samples ? static_cast<double>(r.exact) / static_cast<double>(r.samples) : 0;
   r.loss = tokens ? loss_sum / static_cast<double>(tokens) : 0;
+  for (size_t i = 0; i < slot_hits.size(); ++i) {
+    r.slot_accuracy.push_back(static_cast<double>(slot_hits[i]) / static_cast<double>(std::max<int64_t>(1, slot_total[i])));
+  }
   return r;
 }
 
@@ -211,6 +233,13 @@ EvalResult Trainer::run() {
                 fmt_duration(train_s).c_str(), first_loss, last_loss, static_cast<long long>(ev.exact),
                 static_cast<long long>(ev.samples), 100 * ev.accuracy, 100.0 / static_cast<double>(train_data_.num_answers()));
   log_info(line);
+  std::string slots = "held-out token accuracy per answer position:";
+  for (double a : ev.slot_accuracy) {
+    char buf[16];
+    std::snprintf(buf, sizeof(buf), " %.2f", a);
+    slots += buf;
+  }
+  if (!ev.slot_accuracy.empty()) log_info(slots);
   return ev;
 }
 

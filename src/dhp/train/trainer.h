@@ -31,6 +31,7 @@ struct EvalResult {
   int64_t exact = 0;           // samples whose whole answer is predicted (greedy == teacher-forced argmax)
   double accuracy = 0;
   double loss = 0;             // mean CE on the held-out answers
+  std::vector<double> slot_accuracy;  // token accuracy at each answer position (a, colour, shape, ...)
 };
 
 class Trainer {

@@ -1,0 +1,130 @@
+// Config loading: defaults, files, --set, and errors that name the key and its origin.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "dhp/core/memory.h"
+#include "dhp/train/config.h"
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const dhp::Error& e) {
+    return e.what();
+  }
+  return "<no error>";
+}
+
+std::string write_tmp(const std::string& name, const std::string& text) {
+  const std::string path = testing::TempDir() + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(Config, DefaultsAreTheDemo) {
+  auto c = dhp::load_config("", {});
+  EXPECT_EQ(c.model.preset, "demo");
+  EXPECT_EQ(c.model.config.text.hidden_size, dhp::qwen::preset("demo").text.hidden_size);
+  EXPECT_EQ(c.training.precision, "fp32");
+  EXPECT_EQ(c.parallel.strategy, "none");
+}
+
+TEST(Config, FileThenSetsInOrder) {
+  auto f = write_tmp("a.yaml", "model:\n  preset: qwen2.5-vl-7b\n  text:\n    num_layers: 2\ntraining:\n  steps: 7\n");
+  auto c = dhp::load_config(f, {"training.steps=9", "model.vision.fullatt_block_indexes=[0, 3]",
+                                "model.vision.depth=4"});
+  EXPECT_EQ(c.model.config.text.hidden_size, 3584);  // from the preset
+  EXPECT_EQ(c.model.config.text.num_layers, 2);      // file override
+  EXPECT_EQ(c.training.steps, 9);                    // --set wins
+  EXPECT_EQ(c.model.config.vision.fullatt_block_indexes, (std::vector<int64_t>{0, 3}));
+}
+
+TEST(Config, UnknownKeyNamesKeyAndFile) {
+  auto f = write_tmp("b.yaml", "training:\n  stepz: 3\n");
+  auto msg = error_of([&] { dhp::load_config(f, {}); });
+  EXPECT_NE(msg.find("unknown key 'training.stepz'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(f), std::string::npos) << msg;
+  EXPECT_NE(msg.find("steps"), std::string::npos) << msg;  // lists the known keys
+  auto top = error_of([&] { dhp::load_config("", {"trainig.steps=3"}); });
+  EXPECT_NE(top.find("unknown key 'trainig'"), std::string::npos) << top;
+  EXPECT_NE(top.find("--set trainig.steps=3"), std::string::npos) << top;
+}
+
+TEST(Config, BadValuesNameKeyTypeAndOrigin) {
+  auto msg = error_of([] { dhp::load_config("", {"training.steps=abc"}); });
+  EXPECT_NE(msg.find("'training.steps'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("integer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'abc'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--set training.steps=abc"), std::string::npos) << msg;
+  EXPECT_NE(error_of([] { dhp::load_config("", {"training.steps=1.5"}); }).find("integer"), std::string::npos);
+  EXPECT_NE(error_of([] { dhp::load_config("", {"training.activation_checkpointing=maybe"}); }).find("true or false"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dhp::load_config("", {"model.vision.fullatt_block_indexes=3"}); }).find("list"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dhp::load_config("", {"training=3"}); }).find("must be a map"), std::string::npos);
+}
+
+TEST(Config, ValidationErrorsNameTheNumbers) {
+  auto m = error_of([] { dhp::load_config("", {"model.text.num_kv_heads=3"}); });
+  EXPECT_NE(m.find("num_kv_heads=3"), std::string::npos) << m;
+  auto r = error_of([] { dhp::load_config("", {"model.text.mrope_section=[1, 2, 3]"}); });
+  EXPECT_NE(r.find("sums to 6"), std::string::npos) << r;
+  auto p = error_of([] { dhp::load_config("", {"model.preset=qwen9"}); });
+  EXPECT_NE(p.find("unknown model preset 'qwen9'"), std::string::npos) << p;
+  EXPECT_NE(p.find("qwen2.5-vl-72b"), std::string::npos) << p;
+  EXPECT_NE(error_of([] { dhp::load_config("", {"training.precision=fp8"}); }).find("fp8"), std::string::npos);
+  EXPECT_NE(error_of([] { dhp::load_config("", {"training.micro_batches=99"}); }).find("micro_batches=99"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { dhp::load_config("", {"training.memory_limit=3 parsecs"}); }).find("unit"),
+            std::string::npos);
+}
+
+TEST(Config, SyntaxErrorsGiveLineAndMissingFilesTheirPath) {
+  auto f = write_tmp("c.yaml", "training:\n  steps: [1,\n");
+  auto msg = error_of([&] { dhp::load_config(f, {}); });
+  EXPECT_NE(msg.find("YAML syntax error in " + f), std::string::npos) << msg;
+  EXPECT_NE(msg.find("line"), std::string::npos) << msg;
+  auto miss = error_of([] { dhp::load_config("/nonexistent/x.yaml", {}); });
+  EXPECT_NE(miss.find("/nonexistent/x.yaml"), std::string::npos) << miss;
+  EXPECT_NE(error_of([] { dhp::load_config("", {"no_equals_sign"}); }).find("key=value"), std::string::npos);
+}
+
+TEST(Config, ResolvedConfigRoundTrips) {
+  auto c = dhp::load_config("", {"training.lr=0.0003", "model.text.num_layers=3", "output.dir=x y"});
+  auto text = dhp::to_yaml(c, true);
+  auto f = write_tmp("d.yaml", text);
+  auto d = dhp::load_config(f, {});
+  EXPECT_EQ(dhp::to_yaml(d), dhp::to_yaml(c));
+  EXPECT_DOUBLE_EQ(d.training.lr, 0.0003);
+  EXPECT_EQ(d.output.dir, "x y");
+}
+
+TEST(Memory, ParseAndFormatBytes) {
+  EXPECT_EQ(dhp::parse_bytes("2GiB", "x"), 2LL << 30);
+  EXPECT_EQ(dhp::parse_bytes("512MiB", "x"), 512LL << 20);
+  EXPECT_EQ(dhp::parse_bytes("1000", "x"), 1000);
+  EXPECT_EQ(dhp::parse_bytes("1.5kb", "x"), 1500);
+  EXPECT_THROW(dhp::parse_bytes("lots", "x"), dhp::Error);
+  EXPECT_EQ(dhp::format_bytes(1536), "1.50 KiB");
+}
+
+TEST(Memory, AccountingCountsAndEnforcesTheLimit) {
+  ASSERT_TRUE(dhp::memory_accounting_installed());
+  const int64_t before = dhp::memory_live_bytes();
+  {
+    auto t = torch::empty({1 << 20}, torch::kFloat32);  // 4 MiB
+    EXPECT_GE(dhp::memory_live_bytes() - before, 4 << 20);
+    EXPECT_GE(dhp::memory_peak_bytes(), dhp::memory_live_bytes());
+  }
+  EXPECT_LT(dhp::memory_live_bytes() - before, 4 << 20);
+  dhp::set_memory_limit(dhp::memory_live_bytes() + (8 << 20));
+  EXPECT_NO_THROW(torch::empty({1 << 20}));
+  EXPECT_THROW(torch::empty({4 << 20}), dhp::OutOfMemory);  // 16 MiB > 8 MiB headroom
+  dhp::set_memory_limit(0);
+  EXPECT_NO_THROW(torch::empty({4 << 20}));
+}
+
+}  // namespace

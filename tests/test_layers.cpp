@@ -1,0 +1,215 @@
+// Each layer against a small hand-computed or naive case: rotary, M-RoPE positions,
+// window index and its reverse, patch order, RMSNorm, merger, the vision tower's window
+// machinery against a masked reference in processor order.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <set>
+
+#include "dhp/core/error.h"
+#include "dhp/data/shapes.h"
+#include "dhp/models/qwen2_5_vl/model.h"
+#include "dhp/nn/attention.h"
+#include "dhp/nn/layers.h"
+
+namespace {
+
+using dhp::qwen::GridTHW;
+
+dhp::qwen::VisionConfig small_vision() {
+  dhp::qwen::VisionConfig v;
+  v.depth = 3;
+  v.hidden_size = 32;
+  v.num_heads = 2;
+  v.intermediate_size = 48;
+  v.out_hidden_size = 24;
+  v.fullatt_block_indexes = {1};
+  return v;
+}
+
+TEST(Rotary, RotateHalfAndApplyByHand) {
+  auto x = torch::tensor({1.f, 2.f, 3.f, 4.f}).view({1, 1, 4});
+  auto r = dhp::nn::rotate_half(x);
+  EXPECT_TRUE(torch::equal(r, torch::tensor({-3.f, -4.f, 1.f, 2.f}).view({1, 1, 4})));
+  // angle pi/2 on every channel: x*0 + rotate_half(x)*1
+  auto cos = torch::zeros({1, 4}), sin = torch::ones({1, 4});
+  EXPECT_TRUE(torch::allclose(dhp::nn::apply_rotary(x, cos, sin), r));
+  auto inv = dhp::nn::rope_inv_freq(8, 10000.0);
+  EXPECT_NEAR(inv[0].item<float>(), 1.0, 1e-7);
+  EXPECT_NEAR(inv[1].item<float>(), std::pow(10000.0, -2.0 / 8), 1e-7);
+  EXPECT_NEAR(inv[3].item<float>(), std::pow(10000.0, -6.0 / 8), 1e-7);
+}
+
+TEST(Rotary, MropeTakesEachChannelFromItsAxis) {
+  dhp::qwen::TextConfig t;
+  t.hidden_size = 24;
+  t.num_heads = 2;  // head_dim 12, 6 rotary pairs
+  t.mrope_section = {1, 2, 3};
+  t.rope_theta = 100.0;
+  auto pos = torch::tensor({5, 7, 11}, torch::kInt64).view({3, 1});  // t=5, h=7, w=11
+  auto [cos, sin] = dhp::qwen::mrope_cos_sin(pos, t);
+  auto inv = dhp::nn::rope_inv_freq(12, 100.0);
+  const int axis_pos[6] = {5, 7, 7, 11, 11, 11};
+  for (int j = 0; j < 6; ++j) {
+    const double angle = axis_pos[j] * inv[j].item<double>();
+    EXPECT_NEAR(cos[0][j].item<double>(), std::cos(angle), 1e-6) << j;
+    EXPECT_NEAR(cos[0][j + 6].item<double>(), std::cos(angle), 1e-6) << j;
+    EXPECT_NEAR(sin[0][j].item<double>(), std::sin(angle), 1e-6) << j;
+  }
+}
+
+TEST(RopeIndex, TextImageTextByHand) {
+  auto cfg = dhp::qwen::preset("demo");
+  const int64_t I = cfg.image_token_id;
+  // t t VS [4 image tokens of a 4x4 patch grid = 2x2 merged] VE t
+  std::vector<int64_t> ids = {10, 11, 3, I, I, I, I, 4, 12};
+  auto p = dhp::qwen::rope_index(ids, {GridTHW{1, 4, 4}}, cfg);
+  auto expect = torch::tensor({0, 1, 2, 3, 3, 3, 3, 5, 6,
+                               0, 1, 2, 3, 3, 4, 4, 5, 6,
+                               0, 1, 2, 3, 4, 3, 4, 5, 6}, torch::kInt64).view({3, 9});
+  EXPECT_TRUE(torch::equal(p, expect)) << p;
+  // Text only: plain positions on all axes.
+  auto q = dhp::qwen::rope_index({1, 2, 3}, {}, cfg);
+  EXPECT_TRUE(torch::equal(q, torch::arange(3).repeat({3, 1})));
+  // A wide image: h over 1 row, w over 3 columns; text resumes at max + 1.
+  auto r = dhp::qwen::rope_index({I, I, I, 9}, {GridTHW{1, 2, 6}}, cfg);
+  EXPECT_TRUE(torch::equal(r, torch::tensor({0, 0, 0, 3, 0, 0, 0, 3, 0, 1, 2, 3}, torch::kInt64).view({3, 4})));
+  EXPECT_THROW(dhp::qwen::rope_index({I, I, 9}, {GridTHW{1, 4, 4}}, cfg), dhp::Error);
+  EXPECT_THROW(dhp::qwen::rope_index({I, I, I, I}, {}, cfg), dhp::Error);
+}
+
+TEST(WindowIndex, ByHandAndReverse) {
+  auto v = small_vision();  // window 112 px = 4x4 merged units
+  std::vector<int64_t> idx, cu;
+  // Image 1: 8x12 patches = 4x6 merged units -> windows [4x4 | 4x2]. Image 2: 4x4 patches.
+  dhp::qwen::window_index({GridTHW{1, 8, 12}, GridTHW{1, 4, 4}}, v, idx, cu);
+  std::vector<int64_t> expect = {0, 1, 2, 3, 6, 7, 8, 9, 12, 13, 14, 15, 18, 19, 20, 21,
+                                 4, 5, 10, 11, 16, 17, 22, 23, 24, 25, 26, 27};
+  EXPECT_EQ(idx, expect);
+  EXPECT_EQ(cu, (std::vector<int64_t>{0, 64, 96, 112}));
+  auto inv = dhp::qwen::inverse_permutation(idx);
+  for (size_t i = 0; i < idx.size(); ++i) EXPECT_EQ(idx[inv[i]], static_cast<int64_t>(i));
+  auto x = torch::arange(28 * 4).view({28 * 4, 1});
+  auto back = dhp::qwen::reorder_units(dhp::qwen::reorder_units(x, idx, 4), inv, 4);
+  EXPECT_TRUE(torch::equal(back, x));
+  // Exact multiple of the window: no empty windows in the offsets.
+  dhp::qwen::window_index({GridTHW{1, 8, 8}}, v, idx, cu);
+  EXPECT_EQ(cu, (std::vector<int64_t>{0, 64}));
+  EXPECT_THROW(dhp::qwen::window_index({GridTHW{1, 5, 8}}, v, idx, cu), dhp::Error);
+}
+
+TEST(PatchOrder, MatchesProcessorLayout) {
+  auto v = small_vision();
+  // Pixel value encodes (c, y, x).
+  const int64_t H = 56, W = 84;
+  auto img = torch::empty({3, H, W});
+  auto a = img.accessor<float, 3>();
+  for (int c = 0; c < 3; ++c)
+    for (int y = 0; y < H; ++y)
+      for (int x = 0; x < W; ++x) a[c][y][x] = static_cast<float>(c * 100000 + y * 1000 + x);
+  GridTHW grid;
+  auto p = dhp::data::patchify(img, v, grid);
+  EXPECT_EQ(grid, (GridTHW{1, 4, 6}));
+  ASSERT_EQ(p.sizes(), (torch::IntArrayRef{24, 3 * 2 * 14 * 14}));
+  auto pa = p.accessor<float, 2>();
+  for (int py = 0; py < 4; ++py) {
+    for (int px = 0; px < 6; ++px) {
+      const int row = ((py / 2) * 3 + px / 2) * 4 + (py % 2) * 2 + px % 2;
+      for (int c : {0, 2})
+        for (int t : {0, 1})
+          for (int dy : {0, 13})
+            for (int dx : {0, 5}) {
+              const int col = ((c * 2 + t) * 14 + dy) * 14 + dx;
+              EXPECT_EQ(pa[row][col], a[c][py * 14 + dy][px * 14 + dx]) << row << "," << col;
+            }
+    }
+  }
+  auto pos = dhp::qwen::vision_pos_ids({grid}, 2);
+  for (int py = 0; py < 4; ++py)
+    for (int px = 0; px < 6; ++px) {
+      const int row = ((py / 2) * 3 + px / 2) * 4 + (py % 2) * 2 + px % 2;
+      EXPECT_EQ(pos[row][0].item<int64_t>(), py);
+      EXPECT_EQ(pos[row][1].item<int64_t>(), px);
+    }
+}
+
+TEST(Layers, RMSNormByHand) {
+  dhp::nn::RMSNorm n(2, 0.0);
+  auto y = n(torch::tensor({3.f, 4.f}).view({1, 2}));
+  const float rms = std::sqrt(12.5f);
+  EXPECT_NEAR(y[0][0].item<float>(), 3 / rms, 1e-6);
+  EXPECT_NEAR(y[0][1].item<float>(), 4 / rms, 1e-6);
+}
+
+TEST(Layers, MergerConcatenatesFourPatches) {
+  auto v = small_vision();
+  dhp::qwen::PatchMerger m(v);
+  torch::manual_seed(0);
+  auto x = torch::randn({8, v.hidden_size});
+  auto y = m(x);
+  ASSERT_EQ(y.sizes(), (torch::IntArrayRef{2, v.out_hidden_size}));
+  auto l0 = m->mlp[0]->as<torch::nn::Linear>(), l2 = m->mlp[2]->as<torch::nn::Linear>();
+  auto cat = m->ln_q(x).view({2, 4 * v.hidden_size});
+  auto ref = l2->forward(torch::gelu(l0->forward(cat)));
+  EXPECT_TRUE(torch::allclose(y, ref, 1e-6, 1e-6));
+}
+
+// The vision tower in processor order with explicit S x S masks: window membership for
+// window blocks, same image for full blocks; no reorder. Equals the windowed tower.
+torch::Tensor naive_vision(dhp::qwen::VisionTransformerImpl& vt, const torch::Tensor& patches,
+                           const std::vector<GridTHW>& grids) {
+  const auto& c = vt.cfg;
+  const int64_t m = c.spatial_merge_size, win = c.window_size / m / c.patch_size;
+  std::vector<int64_t> window_of, image_of;
+  int64_t wbase = 0;
+  for (size_t i = 0; i < grids.size(); ++i) {
+    const int64_t lh = grids[i][1] / m, lw = grids[i][2] / m, nww = (lw + win - 1) / win;
+    for (int64_t y = 0; y < lh; ++y)
+      for (int64_t x = 0; x < lw; ++x)
+        for (int64_t u = 0; u < m * m; ++u) {
+          window_of.push_back(wbase + (y / win) * nww + x / win);
+          image_of.push_back(static_cast<int64_t>(i));
+        }
+    wbase += ((lh + win - 1) / win) * nww;
+  }
+  auto wo = torch::tensor(window_of), io = torch::tensor(image_of);
+  auto win_mask = wo.unsqueeze(0) == wo.unsqueeze(1), img_mask = io.unsqueeze(0) == io.unsqueeze(1);
+  auto pos = dhp::qwen::vision_pos_ids(grids, m).to(torch::kFloat32);
+  auto inv = dhp::nn::rope_inv_freq(c.head_dim() / 2, c.rope_theta);
+  auto f = (pos.unsqueeze(-1) * inv).reshape({pos.size(0), -1});
+  auto emb = torch::cat({f, f}, -1);
+  auto cos = emb.cos(), sin = emb.sin();
+  const std::set<int64_t> full(c.fullatt_block_indexes.begin(), c.fullatt_block_indexes.end());
+  auto h = vt.patch_embed(patches);
+  const int64_t S = h.size(0), H = c.num_heads, D = c.head_dim();
+  for (int64_t i = 0; i < c.depth; ++i) {
+    auto blk = vt.blocks->ptr<dhp::qwen::VisionBlockImpl>(i);
+    auto qkv = blk->attn->qkv(blk->norm1(h)).view({S, 3, H, D}).unbind(1);
+    auto q = dhp::nn::apply_rotary(qkv[0], cos, sin).transpose(0, 1);
+    auto k = dhp::nn::apply_rotary(qkv[1], cos, sin).transpose(0, 1);
+    auto s = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(D));
+    s = s.masked_fill((full.count(i) ? img_mask : win_mask).logical_not(), -1e30);
+    auto o = torch::matmul(torch::softmax(s, -1), qkv[2].transpose(0, 1)).transpose(0, 1).reshape({S, -1});
+    h = h + blk->attn->proj(o);
+    h = h + blk->mlp(blk->norm2(h));
+  }
+  return vt.merger(h);
+}
+
+TEST(VisionTower, WindowedEqualsMaskedReferenceInProcessorOrder) {
+  auto v = small_vision();
+  dhp::qwen::VisionTransformer vt(v);
+  dhp::qwen::init_parameters(*vt, 3, 0.2);
+  torch::manual_seed(5);
+  std::vector<GridTHW> grids = {GridTHW{1, 12, 20}, GridTHW{1, 4, 8}, GridTHW{1, 8, 8}};
+  int64_t n = 0;
+  for (auto& g : grids) n += g[1] * g[2];
+  auto patches = torch::randn({n, v.patch_dim()});
+  auto plan = dhp::qwen::make_vision_plan(grids, v);
+  auto out = vt->forward(patches, plan);
+  auto ref = naive_vision(*vt, patches, grids);
+  ASSERT_EQ(out.sizes(), ref.sizes());
+  EXPECT_LT((out - ref).abs().max().item<double>(), 1e-4 * ref.abs().max().item<double>());
+}
+
+}  // namespace
