@@ -115,8 +115,14 @@ int cmd_train(int argc, char** argv, int first) {
 
 void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {
   const auto p = dhp::qwen::count_parameters(c);
-  std::printf("%-16s vision %8.3fB  text %8.3fB  total %8.3fB  (%lld parameters)\n", name.c_str(),
-              p.vision / 1e9, p.text / 1e9, p.total() / 1e9, static_cast<long long>(p.total()));
+  auto human = [](int64_t n) {
+    char buf[32];
+    if (n >= 1000000000) std::snprintf(buf, sizeof(buf), "%.3fB", n / 1e9);
+    else std::snprintf(buf, sizeof(buf), "%.2fM", n / 1e6);
+    return std::string(buf);
+  };
+  std::printf("%-16s vision %9s  text %9s  total %9s  (%lld parameters)\n", name.c_str(), human(p.vision).c_str(),
+              human(p.text).c_str(), human(p.total()).c_str(), static_cast<long long>(p.total()));
 }
 
 int cmd_params(int argc, char** argv, int first) {

@@ -54,15 +54,20 @@ BucketTensors make_bucket_tensors(const Bucket& b, bool causal) {
   return bt;
 }
 
-// Splits segments into dense buckets (length <= block, bucketed by next power of two) and
-// long segments (blockwise path).
-void plan_segments(const std::vector<int64_t>& cu, int64_t block, std::vector<Bucket>& buckets,
-                   std::vector<std::pair<int64_t, int64_t>>& longs) {
+// The segments of one call: short ones grouped in dense buckets (length <= block, bucketed
+// by next power of two, with their index tensors), long ones for the blockwise path.
+struct SegmentPlan {
+  std::vector<std::pair<Bucket, BucketTensors>> dense;
+  std::vector<std::pair<int64_t, int64_t>> longs;  // (start, length)
+};
+
+SegmentPlan plan_segments(const std::vector<int64_t>& cu, int64_t block, bool causal) {
+  SegmentPlan plan;
   std::map<int64_t, Bucket> by_len;
   for (size_t i = 0; i + 1 < cu.size(); ++i) {
     const int64_t s = cu[i], len = cu[i + 1] - cu[i];
     if (len > block) {
-      longs.emplace_back(s, len);
+      plan.longs.emplace_back(s, len);
       continue;
     }
     int64_t p = 1;
@@ -73,7 +78,11 @@ void plan_segments(const std::vector<int64_t>& cu, int64_t block, std::vector<Bu
     b.starts.push_back(s);
     b.lens.push_back(len);
   }
-  for (auto& kv : by_len) buckets.push_back(std::move(kv.second));
+  for (auto& kv : by_len) {
+    auto bt = make_bucket_tensors(kv.second, causal);
+    plan.dense.emplace_back(std::move(kv.second), std::move(bt));
+  }
+  return plan;
 }
 
 // Gathers (H, S, D) -> (H, B, Lp, D) for one bucket.
@@ -116,19 +125,16 @@ Forward forward_impl(const Tensor& q, const Tensor& k, const Tensor& v,
   const int64_t H = q.size(0), S = q.size(1), D = q.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   Forward f{torch::zeros({H, S, D}, q.options()), torch::zeros({H, S}, q.options())};
-  std::vector<Bucket> buckets;
-  std::vector<std::pair<int64_t, int64_t>> longs;
-  plan_segments(cu, block, buckets, longs);
-  for (const auto& b : buckets) {
+  const auto plan = plan_segments(cu, block, causal);
+  for (const auto& [b, bt] : plan.dense) {
     const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
-    auto bt = make_bucket_tensors(b, causal);
     auto s = bucket_scores(gather_bucket(q, bt, B, Lp), gather_bucket(k, bt, B, Lp), bt, scale);
     auto lse = s.logsumexp(-1, /*keepdim=*/true);  // (H, B, Lp, 1)
     auto out = torch::matmul(s.sub_(lse).exp_(), gather_bucket(v, bt, B, Lp));
     scatter_bucket(f.out, out, bt);
     scatter_bucket(f.lse, lse, bt);
   }
-  for (const auto& [s0, len] : longs) {
+  for (const auto& [s0, len] : plan.longs) {
     for (int64_t i0 = 0; i0 < len; i0 += block) {
       const int64_t bq = std::min(block, len - i0);
       auto qi = q.narrow(1, s0 + i0, bq);
@@ -164,12 +170,9 @@ Grads backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   Grads g{torch::zeros_like(q), torch::zeros_like(k), torch::zeros_like(v)};
   auto delta = (dout * out).sum(-1);  // (H, S)
-  std::vector<Bucket> buckets;
-  std::vector<std::pair<int64_t, int64_t>> longs;
-  plan_segments(cu, block, buckets, longs);
-  for (const auto& b : buckets) {
+  const auto plan = plan_segments(cu, block, causal);
+  for (const auto& [b, bt] : plan.dense) {
     const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
-    auto bt = make_bucket_tensors(b, causal);
     auto qb = gather_bucket(q, bt, B, Lp), kb = gather_bucket(k, bt, B, Lp);
     auto vb = gather_bucket(v, bt, B, Lp), dob = gather_bucket(dout, bt, B, Lp);
     auto lseb = lse.index_select(1, bt.gather).view({H, B, Lp, 1});
@@ -182,7 +185,7 @@ Grads backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     scatter_bucket(g.dk, torch::matmul(ds.transpose(-1, -2), qb), bt);
     scatter_bucket(g.dv, dv, bt);
   }
-  for (const auto& [s0, len] : longs) {
+  for (const auto& [s0, len] : plan.longs) {
     for (int64_t i0 = 0; i0 < len; i0 += block) {
       const int64_t bq = std::min(block, len - i0);
       auto qi = q.narrow(1, s0 + i0, bq), doi = dout.narrow(1, s0 + i0, bq);

@@ -40,12 +40,12 @@ struct DataOptions {
 };
 
 struct TrainingOptions {
-  int64_t steps = 300;                    // optimizer steps
+  int64_t steps = 600;                    // optimizer steps
   int64_t seed = 0;                       // parameter init seed
   int64_t micro_batches = 1;              // gradient accumulation: micro-batches per step
   std::string precision = "fp32";         // fp32 or bf16 (bf16 compute, fp32 master weights)
   bool activation_checkpointing = false;  // recompute each layer in backward
-  double lr = 2e-3;                       // peak learning rate
+  double lr = 3e-3;                       // peak learning rate
   double min_lr = 1e-4;                   // cosine floor
   int64_t warmup_steps = 20;              // linear warm-up steps
   double weight_decay = 0.05;             // AdamW decoupled decay (not on norms and biases)
