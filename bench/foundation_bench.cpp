@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "dhp/core/log.h"
+#include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
 #include "dhp/nn/attention.h"
 #include "dhp/train/trainer.h"
@@ -97,7 +98,10 @@ int main(int argc, char** argv) {
     dhp::install_memory_accounting();
     const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     torch::set_num_threads(threads);
-    std::printf("dhp foundation benchmark (libtorch %s, %d threads)\n\n", TORCH_VERSION, threads);
+    std::printf("dhp foundation benchmark (libtorch %s, %d threads, %s)\n", TORCH_VERSION, threads,
+                dhp::blas_description().c_str());
+    if (!dhp::blas_hint().empty()) std::printf("note: %s\n", dhp::blas_hint().c_str());
+    std::printf("\n");
 
     std::printf("1. GEMM peak (best of square matmuls)\n");
     double peak32 = 0, peak16 = 0;

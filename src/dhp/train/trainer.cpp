@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "dhp/core/log.h"
+#include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
 #include "dhp/train/flops.h"
 
@@ -195,6 +196,8 @@ EvalResult Trainer::run() {
            std::to_string(pc.text) + " text parameters; " + std::to_string(cfg_.training.steps) +
            " steps of " + std::to_string(cfg_.data.batch_size) + " samples; threads " +
            std::to_string(torch::get_num_threads()) + "; run dir " + dir.string());
+  log_info("fp32 GEMMs: " + blas_description());
+  if (!blas_hint().empty()) log_warn(blas_hint());
   const bool tty = isatty(2);
   Timer total;
   double first_loss = 0, last_loss = 0;
