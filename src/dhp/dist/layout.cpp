@@ -1,0 +1,90 @@
+#include "dhp/dist/layout.h"
+
+#include <algorithm>
+#include <set>
+
+#include "dhp/core/error.h"
+
+namespace dhp::dist {
+namespace {
+
+void check_divides(const ModuleLayout& l, const char* degree, int64_t d, const char* what, int64_t n) {
+  DHP_CHECK(n % d == 0, l.name(), " ", degree, "=", d, " does not divide ", what, "=", n);
+}
+
+}  // namespace
+
+std::vector<int64_t> iota_ranks(int64_t n) {
+  std::vector<int64_t> r(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) r[static_cast<size_t>(i)] = i;
+  return r;
+}
+
+void ModuleLayout::validate(const qwen::ModelConfig& model, int64_t world_size) const {
+  const bool vision = kind == ModuleKind::kVision;
+  const std::set<std::string> ok = vision ? std::set<std::string>{"none", "sp", "tp", "zero3", "dp"}
+                                          : std::set<std::string>{"none", "tp", "zero3", "dp"};
+  DHP_CHECK(ok.count(strategy), name(), " strategy '", strategy, "' is not one of ",
+            vision ? "none, sp, tp, zero3, dp" : "none, tp, zero3, dp");
+  DHP_CHECK(!ranks.empty(), name(), " runs on no ranks");
+  DHP_CHECK(dp >= 1 && sp >= 1 && tp >= 1, name(), " degrees must be >= 1, got dp=", dp, " sp=", sp, " tp=", tp);
+  std::set<int64_t> seen;
+  for (auto r : ranks) {
+    DHP_CHECK(r >= 0 && r < world_size, name(), " rank ", r, " is outside the world of ", world_size, " ranks");
+    DHP_CHECK(seen.insert(r).second, name(), " lists rank ", r, " twice");
+  }
+  DHP_CHECK(dp * sp * tp == size(), name(), " degrees dp=", dp, " x sp=", sp, " x tp=", tp, " = ", dp * sp * tp,
+            " but the module has ", size(), " ranks");
+  DHP_CHECK(zero == 0 || zero == 1 || zero == 3, name(), " zero=", zero, " must be 0, 1 or 3");
+  DHP_CHECK(sp == 1 || (vision && strategy == "sp"), name(), " sp=", sp, " needs the vision strategy sp");
+  DHP_CHECK(tp == 1 || strategy == "tp", name(), " tp=", tp, " needs the strategy tp (got '", strategy, "')");
+  DHP_CHECK(strategy != "none" || size() == 1, name(), " strategy none runs on one rank, got ", size());
+  DHP_CHECK(strategy != "zero3" || zero == 3 || zero == 0, name(), " strategy zero3 cannot use zero=", zero);
+  if (vision) {
+    const auto& v = model.vision;
+    check_divides(*this, "sp", sp, "vision num_heads", v.num_heads);
+    check_divides(*this, "tp", tp, "vision num_heads", v.num_heads);
+    check_divides(*this, "tp", tp, "vision intermediate_size", v.intermediate_size);
+    check_divides(*this, "tp", tp, "merger width (hidden * merge^2)",
+                  v.hidden_size * v.spatial_merge_size * v.spatial_merge_size);
+  } else {
+    const auto& t = model.text;
+    check_divides(*this, "tp", tp, "text num_heads", t.num_heads);
+    check_divides(*this, "tp", tp, "text num_kv_heads", t.num_kv_heads);
+    check_divides(*this, "tp", tp, "text intermediate_size", t.intermediate_size);
+    check_divides(*this, "tp", tp, "vocab_size", t.vocab_size);
+  }
+}
+
+int64_t ModuleLayout::module_rank(int64_t global_rank) const {
+  auto it = std::find(ranks.begin(), ranks.end(), global_rank);
+  return it == ranks.end() ? -1 : static_cast<int64_t>(it - ranks.begin());
+}
+
+ModuleLayout::Coord ModuleLayout::coord(int64_t i) const {
+  TORCH_INTERNAL_ASSERT(i >= 0 && i < size());
+  return Coord{i % tp, (i / tp) % sp, i / (tp * sp)};
+}
+
+std::vector<int64_t> ModuleLayout::tp_group(int64_t i) const {
+  const auto c = coord(i);
+  std::vector<int64_t> g;
+  for (int64_t t = 0; t < tp; ++t) g.push_back(ranks[static_cast<size_t>(c.dp * tp * sp + c.sp * tp + t)]);
+  return g;
+}
+
+std::vector<int64_t> ModuleLayout::sp_group(int64_t i) const {
+  const auto c = coord(i);
+  std::vector<int64_t> g;
+  for (int64_t s = 0; s < sp; ++s) g.push_back(ranks[static_cast<size_t>(c.dp * tp * sp + s * tp + c.tp)]);
+  return g;
+}
+
+std::vector<int64_t> ModuleLayout::dp_group(int64_t i) const {
+  const auto c = coord(i);
+  std::vector<int64_t> g;
+  for (int64_t d = 0; d < dp; ++d) g.push_back(ranks[static_cast<size_t>(d * tp * sp + c.sp * tp + c.tp)]);
+  return g;
+}
+
+}  // namespace dhp::dist
