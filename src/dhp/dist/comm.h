@@ -1,0 +1,67 @@
+// Communication: stores for rendezvous and Group, a communicator over a subset of the
+// job's global ranks. The only place that touches c10d (Gloo on CPU); the header is free
+// of c10d types so that version-specific calls stay in comm.cpp.
+//
+// Contract: every collective is blocking and must be called by all members of the group,
+// in the same order. A Group of one (the default) makes every collective a local no-op.
+// A collective that does not complete within the group's timeout throws. A Group is not
+// thread-safe; distinct Groups may be used from distinct threads.
+#pragma once
+
+#include <torch/types.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dhp::dist {
+
+// Shared key-value store all ranks of a job meet through (opaque handle).
+class Store {
+ public:
+  struct Impl;
+  explicit Store(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  const std::shared_ptr<Impl>& impl() const { return impl_; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// In-process store shared by threads (tests run ranks as threads).
+Store make_hash_store();
+// TCP store: rank 0 (`is_master`) listens on host:port, the others connect.
+Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool is_master,
+                     std::chrono::milliseconds timeout);
+
+class Group {
+ public:
+  Group();  // the group of one: this rank alone
+  // Collective over the members: creates the group's connections. `name` must be unique per
+  // group in the job and identical on every member; `ranks` are global ranks in group order.
+  Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
+        std::chrono::milliseconds timeout);
+
+  int64_t rank() const { return rank_; }  // position of this rank in ranks()
+  int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
+  const std::vector<int64_t>& ranks() const { return ranks_; }
+  const std::string& name() const { return name_; }
+
+  // Sum over the members, in place. Any shape; contiguous fp32/bf16/int64.
+  void all_reduce_sum_(torch::Tensor& t) const;
+  // Concatenation along `dim` of every member's tensor (same shapes), in group order.
+  torch::Tensor all_gather(const torch::Tensor& t, int64_t dim) const;
+  // Along dim 0: send rows [sum(send[:j]), +send[j]) to member j, receive recv[j] rows from j.
+  torch::Tensor all_to_all(const torch::Tensor& t, const std::vector<int64_t>& send_rows,
+                           const std::vector<int64_t>& recv_rows) const;
+  void barrier() const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+  std::vector<int64_t> ranks_{0};
+  int64_t rank_ = 0;
+  std::string name_ = "self";
+};
+
+}  // namespace dhp::dist

@@ -1,0 +1,38 @@
+// Runs a function as N ranks, one thread each, over one in-process store. Exceptions in a
+// rank are collected and reported; gtest assertions inside ranks are thread-safe.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dhp/dist/comm.h"
+
+namespace dhp::testing {
+
+inline void run_ranks(int64_t n, const std::function<void(int64_t rank, const dist::Store& store)>& fn) {
+  auto store = dist::make_hash_store();
+  std::mutex mu;
+  std::vector<std::string> errors;
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r, store);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        errors.push_back("rank " + std::to_string(r) + ": " + e.what());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) ADD_FAILURE() << e;
+}
+
+constexpr std::chrono::milliseconds kTestTimeout{20000};
+
+}  // namespace dhp::testing
