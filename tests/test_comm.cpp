@@ -5,6 +5,7 @@
 
 #include "dhp/core/error.h"
 #include "dhp/nn/layers.h"
+#include "dhp/dist/process_groups.h"
 #include "dhp/parallel/mappings.h"
 #include "ranks.h"
 
@@ -112,6 +113,50 @@ TEST(Mappings, GatherAndScatterAreDuals) {
     back.backward(dfull);
     // d/dx of gather(scatter(x) * 2): 2 * dfull on the own slice, gathered -> 2 * dfull everywhere.
     EXPECT_TRUE(torch::allclose(x.grad(), dfull * 2));
+  });
+}
+
+}  // namespace
+
+namespace {
+
+TEST(ProcessGroups, BuiltFromALayoutOnDisjointRanks) {
+  // 6 ranks: vision sp=2 on {0, 1}; text tp=2 x dp=2 on {2, 3, 4, 5}.
+  auto model = dhp::qwen::preset("qwen2.5-vl-7b");
+  dhp::dist::ModuleLayout vision, text;
+  vision.kind = dhp::dist::ModuleKind::kVision;
+  vision.strategy = "sp";
+  vision.ranks = {0, 1};
+  vision.sp = 2;
+  text.kind = dhp::dist::ModuleKind::kText;
+  text.strategy = "tp";
+  text.ranks = {2, 3, 4, 5};
+  text.tp = 2;
+  text.dp = 2;
+  vision.validate(model, 6);
+  text.validate(model, 6);
+  run_ranks(6, [&](int64_t r, const dhp::dist::Store& store) {
+    auto v = dhp::dist::make_process_groups(store, vision, r, kTestTimeout);
+    auto t = dhp::dist::make_process_groups(store, text, r, kTestTimeout);
+    EXPECT_EQ(v.member, r < 2);
+    EXPECT_EQ(t.member, r >= 2);
+    if (v.member) {
+      EXPECT_EQ(v.sp.ranks(), (std::vector<int64_t>{0, 1}));
+      EXPECT_EQ(v.tp.size(), 1);
+      auto x = torch::full({1}, 1.f);
+      v.sp.all_reduce_sum_(x);
+      EXPECT_EQ(x.item<float>(), 2.f);
+    }
+    if (t.member) {
+      EXPECT_EQ(t.tp.ranks(), r < 4 ? (std::vector<int64_t>{2, 3}) : (std::vector<int64_t>{4, 5}));
+      EXPECT_EQ(t.dp.ranks(), r % 2 == 0 ? (std::vector<int64_t>{2, 4}) : (std::vector<int64_t>{3, 5}));
+      auto x = torch::full({1}, static_cast<float>(r));
+      t.dp.all_reduce_sum_(x);
+      EXPECT_EQ(x.item<float>(), r % 2 == 0 ? 6.f : 8.f);
+      auto y = torch::full({1}, static_cast<float>(r));
+      t.module.all_reduce_sum_(y);
+      EXPECT_EQ(y.item<float>(), 14.f);
+    }
   });
 }
 
