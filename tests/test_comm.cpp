@@ -7,6 +7,7 @@
 #include "dhp/nn/layers.h"
 #include "dhp/dist/process_groups.h"
 #include "dhp/parallel/mappings.h"
+#include "dhp/parallel/tensor_parallel.h"
 #include "ranks.h"
 
 namespace {
@@ -157,6 +158,39 @@ TEST(ProcessGroups, BuiltFromALayoutOnDisjointRanks) {
       t.module.all_reduce_sum_(y);
       EXPECT_EQ(y.item<float>(), 14.f);
     }
+  });
+}
+
+}  // namespace
+
+namespace {
+
+TEST(TensorParallel, ColumnThenRowLinearEqualsTheFullPair) {
+  torch::manual_seed(4);
+  auto a = dhp::nn::make_linear(6, 8, true), b = dhp::nn::make_linear(8, 6, true);
+  auto x = torch::randn({2, 3, 6}).requires_grad_(true);
+  auto dy = torch::randn({2, 3, 6});
+  auto y = b(torch::gelu(a(x)));
+  y.backward(dy);
+  run_ranks(2, [&](int64_t r, const dhp::dist::Store& store) {
+    dhp::dist::Group g(store, "tp", {0, 1}, r, kTestTimeout);
+    dhp::parallel::ColumnParallelLinear col(a, g);
+    dhp::parallel::RowParallelLinear row(b, g);
+    EXPECT_EQ(col->weight.sizes(), (torch::IntArrayRef{4, 6}));
+    EXPECT_EQ(row->weight.sizes(), (torch::IntArrayRef{6, 4}));
+    auto xl = x.detach().clone().requires_grad_(true);
+    auto yl = row(torch::gelu(col(xl)));
+    EXPECT_LT((yl - y).abs().max().item<double>(), 1e-5);
+    yl.backward(dy);
+    EXPECT_LT((xl.grad() - x.grad()).abs().max().item<double>(), 1e-5);
+    EXPECT_LT((col->weight.grad() - a->weight.grad().narrow(0, 4 * r, 4)).abs().max().item<double>(), 1e-5);
+    EXPECT_LT((col->bias.grad() - a->bias.grad().narrow(0, 4 * r, 4)).abs().max().item<double>(), 1e-5);
+    EXPECT_LT((row->weight.grad() - b->weight.grad().narrow(1, 4 * r, 4)).abs().max().item<double>(), 1e-5);
+    EXPECT_LT((row->bias.grad() - b->bias.grad()).abs().max().item<double>(), 1e-5);
+  });
+  run_ranks(3, [&](int64_t r, const dhp::dist::Store& store) {
+    dhp::dist::Group g(store, "tp3", {0, 1, 2}, r, kTestTimeout);
+    EXPECT_THROW(dhp::parallel::ColumnParallelLinear(a, g), dhp::Error);  // 8 rows over 3 ranks
   });
 }
 

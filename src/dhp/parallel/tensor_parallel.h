@@ -1,0 +1,41 @@
+// Megatron tensor-parallel linears. Parameters keep the names "weight" and "bias" of
+// torch::nn::Linear and hold this rank's shard; they are cut from the full layer, so a
+// sharded model starts from exactly the single-process weights.
+//
+//   ColumnParallelLinear: weight (out/tp, in) rows [r*out/tp, (r+1)*out/tp), bias likewise.
+//     forward: y_shard = copy_to(x) W_shard^T + b_shard       (S, in) -> (S, out/tp) [sharded]
+//   RowParallelLinear: weight (out, in/tp) columns of this rank, bias (out) replicated.
+//     forward: y = reduce_from(x_shard W_shard^T) + b         (S, in/tp) [sharded] -> (S, out)
+// Collective: every member of the TP group must run the forward and backward.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include "dhp/dist/comm.h"
+
+namespace dhp::parallel {
+
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  ColumnParallelLinearImpl(const torch::nn::Linear& full, dist::Group group);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight, bias;  // shards; bias undefined when the full layer has none
+  dist::Group group;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(const torch::nn::Linear& full, dist::Group group);
+  torch::Tensor forward(const torch::Tensor& x_shard);
+  torch::Tensor weight, bias;  // weight shard; bias full (added once, after the reduction)
+  dist::Group group;
+};
+TORCH_MODULE(RowParallelLinear);
+
+// Rows [rank*n/size, (rank+1)*n/size) of dim `dim`; throws dhp::Error naming `what` when
+// the group size does not divide it.
+torch::Tensor shard_of(const torch::Tensor& full, int64_t dim, const dist::Group& group, const char* what);
+
+}  // namespace dhp::parallel
