@@ -174,8 +174,8 @@ TEST(TensorParallel, ColumnThenRowLinearEqualsTheFullPair) {
   y.backward(dy);
   run_ranks(2, [&](int64_t r, const dhp::dist::Store& store) {
     dhp::dist::Group g(store, "tp", {0, 1}, r, kTestTimeout);
-    dhp::parallel::ColumnParallelLinear col(a, g);
-    dhp::parallel::RowParallelLinear row(b, g);
+    dhp::parallel::ColumnParallelLinear col(*a, g);
+    dhp::parallel::RowParallelLinear row(*b, g);
     EXPECT_EQ(col->weight.sizes(), (torch::IntArrayRef{4, 6}));
     EXPECT_EQ(row->weight.sizes(), (torch::IntArrayRef{6, 4}));
     auto xl = x.detach().clone().requires_grad_(true);
@@ -190,7 +190,7 @@ TEST(TensorParallel, ColumnThenRowLinearEqualsTheFullPair) {
   });
   run_ranks(3, [&](int64_t r, const dhp::dist::Store& store) {
     dhp::dist::Group g(store, "tp3", {0, 1, 2}, r, kTestTimeout);
-    EXPECT_THROW(dhp::parallel::ColumnParallelLinear(a, g), dhp::Error);  // 8 rows over 3 ranks
+    EXPECT_THROW(dhp::parallel::ColumnParallelLinear(*a, g), dhp::Error);  // 8 rows over 3 ranks
   });
 }
 

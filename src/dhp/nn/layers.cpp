@@ -14,9 +14,17 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
   return weight * normed.to(x.scalar_type());
 }
 
-torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  weight = register_parameter("weight", torch::empty({out, in}).uniform_(-bound, bound));
+  if (with_bias) bias = register_parameter("bias", torch::empty({out}).uniform_(-bound, bound));
 }
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  return torch::nn::functional::linear(x, weight, bias);
+}
+
+Linear make_linear(int64_t in, int64_t out, bool bias) { return Linear(in, out, bias); }
 
 SwiGLUImpl::SwiGLUImpl(int64_t dim, int64_t hidden, bool bias) {
   gate_proj = register_module("gate_proj", make_linear(dim, hidden, bias));

@@ -4,9 +4,26 @@
 #pragma once
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 
 namespace dhp::nn {
+
+// y = x W^T + b with parameters "weight" (out, in) and "bias" (out, absent when off), as
+// torch::nn::Linear, but with a virtual forward so parallel strategies can swap in a
+// subclass (tensor-parallel shards) without changing the model code. Initialised like
+// torch::nn::Linear (uniform +-1/sqrt(in) from the global RNG); models re-initialise.
+class LinearImpl : public torch::nn::Module {
+ public:
+  LinearImpl(int64_t in, int64_t out, bool bias);
+  virtual ~LinearImpl() = default;
+  virtual torch::Tensor forward(const torch::Tensor& x);  // (..., in) -> (..., out)
+  torch::Tensor weight, bias;
+
+ protected:
+  LinearImpl() = default;  // for subclasses that register their own shards
+};
+TORCH_MODULE(Linear);
+
+Linear make_linear(int64_t in, int64_t out, bool bias);
 
 // y = weight * (x / sqrt(mean(x^2) + eps)); the normalisation runs in fp32 and is cast back
 // to x's dtype before the weight multiply (as Hugging Face's Qwen2RMSNorm).
@@ -26,12 +43,10 @@ class SwiGLUImpl : public torch::nn::Module {
  public:
   SwiGLUImpl(int64_t dim, int64_t hidden, bool bias);
   torch::Tensor forward(const torch::Tensor& x);  // (S, dim) -> (S, dim)
-  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(SwiGLU);
 
-// torch::nn::Linear with bias on or off.
-torch::nn::Linear make_linear(int64_t in, int64_t out, bool bias);
 
 // (..., D) -> (..., D): cat(-x2, x1) with x1, x2 the two halves.
 torch::Tensor rotate_half(const torch::Tensor& x);

@@ -14,19 +14,19 @@ torch::Tensor shard_of(const torch::Tensor& full, int64_t dim, const dist::Group
   return full.detach().narrow(dim, g.rank() * n, n).clone();
 }
 
-ColumnParallelLinearImpl::ColumnParallelLinearImpl(const torch::nn::Linear& full, dist::Group g)
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group g)
     : group(std::move(g)) {
-  weight = register_parameter("weight", shard_of(full->weight, 0, group, "ColumnParallelLinear weight"));
-  if (full->bias.defined()) bias = register_parameter("bias", shard_of(full->bias, 0, group, "ColumnParallelLinear bias"));
+  weight = register_parameter("weight", shard_of(full.weight, 0, group, "ColumnParallelLinear weight"));
+  if (full.bias.defined()) bias = register_parameter("bias", shard_of(full.bias, 0, group, "ColumnParallelLinear bias"));
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
   return torch::nn::functional::linear(copy_to_group(x, group), weight, bias);
 }
 
-RowParallelLinearImpl::RowParallelLinearImpl(const torch::nn::Linear& full, dist::Group g) : group(std::move(g)) {
-  weight = register_parameter("weight", shard_of(full->weight, 1, group, "RowParallelLinear weight"));
-  if (full->bias.defined()) bias = register_parameter("bias", full->bias.detach().clone());
+RowParallelLinearImpl::RowParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group g) : group(std::move(g)) {
+  weight = register_parameter("weight", shard_of(full.weight, 1, group, "RowParallelLinear weight"));
+  if (full.bias.defined()) bias = register_parameter("bias", full.bias.detach().clone());
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x_shard) {

@@ -1,5 +1,6 @@
-// Megatron tensor-parallel linears. Parameters keep the names "weight" and "bias" of
-// torch::nn::Linear and hold this rank's shard; they are cut from the full layer, so a
+// Megatron tensor-parallel linears: subclasses of dhp::nn::LinearImpl, so they replace a
+// model's Linear in place. Parameters keep the names "weight" and "bias" and hold this
+// rank's shard; they are cut from the full layer, so a
 // sharded model starts from exactly the single-process weights.
 //
 //   ColumnParallelLinear: weight (out/tp, in) rows [r*out/tp, (r+1)*out/tp), bias likewise.
@@ -10,26 +11,26 @@
 #pragma once
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/linear.h>
 
 #include "dhp/dist/comm.h"
+#include "dhp/nn/layers.h"
 
 namespace dhp::parallel {
 
-class ColumnParallelLinearImpl : public torch::nn::Module {
+class ColumnParallelLinearImpl : public dhp::nn::LinearImpl {
  public:
-  ColumnParallelLinearImpl(const torch::nn::Linear& full, dist::Group group);
-  torch::Tensor forward(const torch::Tensor& x);
-  torch::Tensor weight, bias;  // shards; bias undefined when the full layer has none
+  // weight, bias: shards; bias undefined when the full layer has none.
+  ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group group);
+  torch::Tensor forward(const torch::Tensor& x) override;
   dist::Group group;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
-class RowParallelLinearImpl : public torch::nn::Module {
+class RowParallelLinearImpl : public dhp::nn::LinearImpl {
  public:
-  RowParallelLinearImpl(const torch::nn::Linear& full, dist::Group group);
-  torch::Tensor forward(const torch::Tensor& x_shard);
-  torch::Tensor weight, bias;  // weight shard; bias full (added once, after the reduction)
+  // weight: shard; bias: full (added once, after the reduction).
+  RowParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group group);
+  torch::Tensor forward(const torch::Tensor& x_shard) override;
   dist::Group group;
 };
 TORCH_MODULE(RowParallelLinear);

@@ -55,7 +55,7 @@ class Qwen2_5_VLImpl : public torch::nn::Module {
 
   VisionTransformer visual{nullptr};
   TextModel model{nullptr};
-  torch::nn::Linear lm_head{nullptr};  // null when tied
+  dhp::nn::Linear lm_head{nullptr};  // null when tied
   ModelConfig cfg;
 };
 TORCH_MODULE(Qwen2_5_VL);

@@ -30,7 +30,7 @@ class TextAttentionImpl : public torch::nn::Module {
  public:
   explicit TextAttentionImpl(const TextConfig& cfg);
   torch::Tensor forward(const torch::Tensor& x, const TextAttnInputs& in);  // (L, C) -> (L, C)
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  dhp::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   AttentionCore core;
   int64_t head_dim;
 };

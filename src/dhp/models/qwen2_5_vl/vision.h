@@ -60,7 +60,7 @@ class VisionAttentionImpl : public torch::nn::Module {
  public:
   explicit VisionAttentionImpl(const VisionConfig& cfg);
   torch::Tensor forward(const torch::Tensor& x, const VisionAttnInputs& in);  // (S, C) -> (S, C)
-  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  dhp::nn::Linear qkv{nullptr}, proj{nullptr};
   AttentionCore core;
   int64_t num_heads;
 };
