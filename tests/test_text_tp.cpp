@@ -8,6 +8,7 @@
 #include "dhp/core/error.h"
 #include "dhp/data/shapes.h"
 #include "dhp/parallel/parallelize.h"
+#include "dhp/parallel/vocab_parallel.h"
 #include "ranks.h"
 
 namespace {
@@ -23,8 +24,11 @@ torch::Tensor matching_slice(const torch::Tensor& full, const torch::Tensor& par
   return full.narrow(dim, r * part.size(dim), part.size(dim));
 }
 
-TEST(TextTensorParallel, DemoModelLossAndGradsEqualSingleProcess) {
+class TextTensorParallel : public ::testing::TestWithParam<bool> {};
+
+TEST_P(TextTensorParallel, DemoModelLossAndGradsEqualSingleProcess) {
   auto cfg = dhp::qwen::preset("demo");
+  cfg.text.tie_word_embeddings = GetParam();
   dhp::data::ShapesOptions so;
   so.min_side = 56;
   so.max_side = 168;
@@ -48,6 +52,7 @@ TEST(TextTensorParallel, DemoModelLossAndGradsEqualSingleProcess) {
     auto params = m->named_parameters();
     EXPECT_EQ(params.size(), ref_params.size());  // same names
     EXPECT_EQ(params["model.layers.0.self_attn.k_proj.weight"].size(0), cfg.text.num_kv_heads * cfg.text.head_dim() / 2);
+    EXPECT_EQ(params["model.embed_tokens.weight"].size(0), cfg.text.vocab_size / 2);  // vocab-parallel
     auto o = m->forward(batch);
     EXPECT_NEAR(o.loss_sum.item<double>(), loss, 1e-5 * std::abs(loss));
     o.loss_sum.backward();
@@ -59,6 +64,28 @@ TEST(TextTensorParallel, DemoModelLossAndGradsEqualSingleProcess) {
       const double scale = want.abs().max().item<double>() + 1e-12;
       EXPECT_LT((kv.value().grad() - want).abs().max().item<double>(), 1e-5 * scale) << kv.key();
     }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(TiedAndUntied, TextTensorParallel, ::testing::Values(true, false),
+                         [](const auto& info) { return info.param ? "tied" : "untied"; });
+
+TEST(VocabParallel, CrossEntropyEqualsTheFullOne) {
+  torch::manual_seed(2);
+  auto logits = (torch::randn({7, 10}) * 3).requires_grad_(true);
+  auto tgt = torch::tensor({0, 9, 4, 5, 2, 7, 3}, torch::kInt64);
+  auto ref = torch::nn::functional::cross_entropy(logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+  auto dref = torch::autograd::grad({ref.sum()}, {logits})[0];
+  // Group of one: the whole vocabulary.
+  auto one = dhp::parallel::vocab_parallel_cross_entropy(logits, tgt, 0, dhp::dist::Group());
+  EXPECT_LT((one - ref).abs().max().item<double>(), 1e-5);
+  run_ranks(2, [&](int64_t r, const dhp::dist::Store& store) {
+    dhp::dist::Group g(store, "tp", {0, 1}, r, kTestTimeout);
+    auto shard = logits.detach().narrow(1, 5 * r, 5).clone().requires_grad_(true);
+    auto l = dhp::parallel::vocab_parallel_cross_entropy(shard, tgt, 5 * r, g);
+    EXPECT_LT((l - ref).abs().max().item<double>(), 1e-5);
+    l.sum().backward();
+    EXPECT_LT((shard.grad() - dref.narrow(1, 5 * r, 5)).abs().max().item<double>(), 1e-5);
   });
 }
 

@@ -59,6 +59,15 @@ void Group::all_reduce_sum_(torch::Tensor& t) const {
   impl_->pg->allreduce(v)->wait();
 }
 
+void Group::all_reduce_max_(torch::Tensor& t) const {
+  if (!impl_) return;
+  TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  std::vector<torch::Tensor> v{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  impl_->pg->allreduce(v, o)->wait();
+}
+
 torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {
   if (!impl_) return t;
   auto in = t.contiguous();

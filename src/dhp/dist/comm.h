@@ -49,6 +49,8 @@ class Group {
 
   // Sum over the members, in place. Any shape; contiguous fp32/bf16/int64.
   void all_reduce_sum_(torch::Tensor& t) const;
+  // Element-wise maximum over the members, in place.
+  void all_reduce_max_(torch::Tensor& t) const;
   // Concatenation along `dim` of every member's tensor (same shapes), in group order.
   torch::Tensor all_gather(const torch::Tensor& t, int64_t dim) const;
   // Along dim 0: send rows [sum(send[:j]), +send[j]) to member j, receive recv[j] rows from j.

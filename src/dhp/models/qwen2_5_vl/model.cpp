@@ -60,6 +60,12 @@ Qwen2_5_VLImpl::Qwen2_5_VLImpl(const ModelConfig& c) : cfg(c) {
   if (!cfg.text.tie_word_embeddings) {
     lm_head = register_module("lm_head", dhp::nn::make_linear(cfg.text.hidden_size, cfg.text.vocab_size, false));
   }
+  embed_tokens_fn = [this](const torch::Tensor& ids) { return model->embed_tokens(ids); };
+  loss_sum_fn = [this](const torch::Tensor& h, const torch::Tensor& tgt) {
+    auto logits = torch::matmul(h, lm_head_weight().t()).to(torch::kFloat32);
+    return torch::nn::functional::cross_entropy(
+        logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  };
 }
 
 void Qwen2_5_VLImpl::set_activation_checkpointing(bool on) {
@@ -72,7 +78,7 @@ torch::Tensor Qwen2_5_VLImpl::lm_head_weight() const {
 }
 
 torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch) {
-  auto emb = model->embed_tokens(batch.input_ids);  // (L, C)
+  auto emb = embed_tokens_fn(batch.input_ids);  // (L, C)
   auto pos = (batch.input_ids == cfg.image_token_id).nonzero().squeeze(-1);
   if (batch.grid_thw.empty()) {
     DHP_CHECK(pos.numel() == 0, "batch has ", pos.numel(), " <|image_pad|> tokens but no images");
@@ -85,24 +91,25 @@ torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch) {
   return emb.index_copy(0, pos, vis.to(emb.scalar_type()));
 }
 
-torch::Tensor Qwen2_5_VLImpl::target_logits(const Batch& batch) {
+std::pair<torch::Tensor, torch::Tensor> Qwen2_5_VLImpl::hidden_at_targets(const Batch& batch) {
   auto [cos, sin] = mrope_cos_sin(batch.position_ids, cfg.text);
   const auto dtype = model->embed_tokens->weight.scalar_type();
   TextAttnInputs in{cos.to(dtype), sin.to(dtype), batch.cu_seqlens};
   auto h = model->forward(embed(batch), in);  // (L, C)
   auto sel = batch.targets.ne(-100).nonzero().squeeze(-1);
-  return torch::matmul(h.index_select(0, sel), lm_head_weight().t()).to(torch::kFloat32);
+  return {h.index_select(0, sel), batch.targets.index_select(0, sel)};
+}
+
+torch::Tensor Qwen2_5_VLImpl::target_logits(const Batch& batch) {
+  auto h = hidden_at_targets(batch).first;
+  return torch::matmul(h, lm_head_weight().t()).to(torch::kFloat32);
 }
 
 Qwen2_5_VLImpl::Output Qwen2_5_VLImpl::forward(const Batch& batch) {
-  auto logits = target_logits(batch);
-  auto tgt = batch.targets.index_select(0, batch.targets.ne(-100).nonzero().squeeze(-1));
+  auto [h, tgt] = hidden_at_targets(batch);
   Output out;
   out.num_tokens = tgt.numel();
-  out.loss_sum = out.num_tokens == 0
-                     ? logits.sum() * 0
-                     : torch::nn::functional::cross_entropy(
-                           logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  out.loss_sum = out.num_tokens == 0 ? h.sum().to(torch::kFloat32) * 0 : loss_sum_fn(h, tgt);
   return out;
 }
 

@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -46,12 +47,21 @@ class Qwen2_5_VLImpl : public torch::nn::Module {
   Output forward(const Batch& batch);
   // Embeddings with vision rows in place of <|image_pad|>: (L, C).
   torch::Tensor embed(const Batch& batch);
-  // Logits (n, vocab) of the target positions only.
+  // Final hidden states (n, C) at the target positions and their targets (n).
+  std::pair<torch::Tensor, torch::Tensor> hidden_at_targets(const Batch& batch);
+  // Logits (n, vocab) of the target positions only (local lm_head; not vocab-parallel).
   torch::Tensor target_logits(const Batch& batch);
   // lm_head weight (vocab, C): embed_tokens' when tied.
   torch::Tensor lm_head_weight() const;
 
   void set_activation_checkpointing(bool on);
+
+  // Hooks that vocab-parallel strategies replace (see parallel/parallelize.h):
+  // ids (L) -> embeddings (L, C); default: embed_tokens.
+  std::function<torch::Tensor(const torch::Tensor&)> embed_tokens_fn;
+  // hidden (n, C) at target positions, targets (n) -> summed cross-entropy (); default:
+  // full logits through lm_head_weight().
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_sum_fn;
 
   VisionTransformer visual{nullptr};
   TextModel model{nullptr};
