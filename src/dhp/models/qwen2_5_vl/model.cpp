@@ -60,6 +60,7 @@ Qwen2_5_VLImpl::Qwen2_5_VLImpl(const ModelConfig& c) : cfg(c) {
   if (!cfg.text.tie_word_embeddings) {
     lm_head = register_module("lm_head", dhp::nn::make_linear(cfg.text.hidden_size, cfg.text.vocab_size, false));
   }
+  vision_fn = [this](const torch::Tensor& patches, const VisionPlan& plan) { return visual->forward(patches, plan); };
   embed_tokens_fn = [this](const torch::Tensor& ids) { return model->embed_tokens(ids); };
   loss_sum_fn = [this](const torch::Tensor& h, const torch::Tensor& tgt) {
     auto logits = torch::matmul(h, lm_head_weight().t()).to(torch::kFloat32);
@@ -85,7 +86,7 @@ torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch) {
     return emb;
   }
   auto plan = make_vision_plan(batch.grid_thw, cfg.vision);
-  auto vis = visual->forward(batch.pixel_values, plan);  // (N/4, C)
+  auto vis = vision_fn(batch.pixel_values, plan);  // (N/4, C)
   DHP_CHECK(vis.size(0) == pos.numel(), "batch has ", pos.numel(),
             " <|image_pad|> tokens but the images give ", vis.size(0), " vision embeddings");
   return emb.index_copy(0, pos, vis.to(emb.scalar_type()));

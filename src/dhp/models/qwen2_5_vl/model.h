@@ -57,6 +57,9 @@ class Qwen2_5_VLImpl : public torch::nn::Module {
   void set_activation_checkpointing(bool on);
 
   // Hooks that vocab-parallel strategies replace (see parallel/parallelize.h):
+  // patches (N, C*T*P*P), plan -> vision embeddings (N/4, C) in processor order;
+  // default: visual->forward. Replaced by sequence parallelism.
+  std::function<torch::Tensor(const torch::Tensor&, const VisionPlan&)> vision_fn;
   // ids (L) -> embeddings (L, C); default: embed_tokens.
   std::function<torch::Tensor(const torch::Tensor&)> embed_tokens_fn;
   // hidden (n, C) at target positions, targets (n) -> summed cross-entropy (); default:
