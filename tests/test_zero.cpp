@@ -13,11 +13,11 @@ namespace {
 using dhp::testing::kTestTimeout;
 using dhp::testing::run_ranks;
 
+// Own generator: ranks are threads, and the global RNG would be shared between them.
 std::vector<dhp::train::NamedParam> make_params() {
-  torch::manual_seed(9);
-  return {{"w", torch::randn({5, 7}).requires_grad_(true), true},
-          {"b", torch::randn({7}).requires_grad_(true), false},
-          {"e", torch::randn({3, 5}).requires_grad_(true), true}};
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  auto randn = [&](std::vector<int64_t> shape) { return torch::empty(shape).normal_(0, 1, gen).requires_grad_(true); };
+  return {{"w", randn({5, 7}), true}, {"b", randn({7}), false}, {"e", randn({3, 5}), true}};
 }
 
 void set_grads(std::vector<dhp::train::NamedParam>& ps, int step) {
