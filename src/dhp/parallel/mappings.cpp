@@ -10,15 +10,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(dist::Group g) : group(std::move(g)) {}
-  dist::Group group;
-};
-
-c10::IValue hold(const dist::Group& g) { return c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(g)); }
-const dist::Group& held(AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
-}
+c10::IValue hold(const dist::Group& g) { return group_capsule(g); }
+const dist::Group& held(AutogradContext* ctx) { return group_of(ctx->saved_data["group"]); }
 
 torch::Tensor all_reduced(const torch::Tensor& x, const dist::Group& g) {
   auto y = x.contiguous().clone();
@@ -73,6 +66,16 @@ struct ScatterTo : torch::autograd::Function<ScatterTo> {
 };
 
 }  // namespace
+
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(dist::Group g) : group(std::move(g)) {}
+  dist::Group group;
+};
+
+c10::IValue group_capsule(const dist::Group& g) { return c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(g)); }
+const dist::Group& group_of(const c10::IValue& capsule) {
+  return c10::static_intrusive_pointer_cast<GroupHolder>(capsule.toCapsule())->group;
+}
 
 torch::Tensor copy_to_group(const torch::Tensor& x, const dist::Group& g) {
   return g.size() == 1 ? x : CopyTo::apply(x, g);

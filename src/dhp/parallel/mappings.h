@@ -3,6 +3,7 @@
 // in the same order (they are collectives).
 #pragma once
 
+#include <ATen/core/ivalue.h>
 #include <torch/types.h>
 
 #include "dhp/dist/comm.h"
@@ -18,5 +19,9 @@ torch::Tensor reduce_from_group(const torch::Tensor& x, const dist::Group& group
 torch::Tensor gather_from_group(const torch::Tensor& x, const dist::Group& group, int64_t dim);
 // forward: this rank's slice along `dim` (size divisible by the group); backward: all-gather.
 torch::Tensor scatter_to_group(const torch::Tensor& x, const dist::Group& group, int64_t dim);
+
+// A Group inside an IValue, for autograd functions' ctx->saved_data (libtorch 1.13 and 2.x).
+c10::IValue group_capsule(const dist::Group& group);
+const dist::Group& group_of(const c10::IValue& capsule);
 
 }  // namespace dhp::parallel

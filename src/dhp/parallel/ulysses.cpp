@@ -4,17 +4,13 @@
 
 #include "dhp/core/error.h"
 #include "dhp/nn/attention.h"
+#include "dhp/parallel/mappings.h"
 
 namespace dhp::parallel {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(dist::Group g) : group(std::move(g)) {}
-  dist::Group group;
-};
 
 void check_shards(const dist::Group& g, const std::vector<int64_t>& rows, int64_t heads, const char* what) {
   DHP_CHECK(static_cast<int64_t>(rows.size()) == g.size(), what, ": ", rows.size(), " shard sizes for an SP group of ",
@@ -44,12 +40,12 @@ template <bool kSeqToHeads>
 struct AllToAllFn : torch::autograd::Function<AllToAllFn<kSeqToHeads>> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const dist::Group& g,
                                const std::vector<int64_t>& rows) {
-    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(g));
+    ctx->saved_data["group"] = group_capsule(g);
     ctx->saved_data["rows"] = rows;
     return kSeqToHeads ? seq_to_heads_impl(x, g, rows) : heads_to_seq_impl(x, g, rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto& g = c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
+    const auto& g = group_of(ctx->saved_data["group"]);
     const auto rows = ctx->saved_data["rows"].toIntVector();
     auto dx = kSeqToHeads ? heads_to_seq_impl(grads[0], g, rows) : seq_to_heads_impl(grads[0], g, rows);
     return {dx, torch::Tensor(), torch::Tensor()};

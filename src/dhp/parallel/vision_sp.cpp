@@ -13,11 +13,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(dist::Group g) : group(std::move(g)) {}
-  dist::Group group;
-};
-
 struct GatherRows : torch::autograd::Function<GatherRows> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const dist::Group& g,
                                const std::vector<int64_t>& rows) {
