@@ -50,6 +50,9 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
   impl_ = std::make_shared<Impl>();
   impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(rank_),
                                                           static_cast<int>(size()), opts);
+  // Every member is connected before any returns, so none can close its side of a pair
+  // while another is still connecting.
+  impl_->pg->barrier()->wait();
 }
 
 void Group::all_reduce_sum_(torch::Tensor& t) const {

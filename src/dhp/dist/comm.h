@@ -37,7 +37,8 @@ Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool
 class Group {
  public:
   Group();  // the group of one: this rank alone
-  // Collective over the members: creates the group's connections. `name` must be unique per
+  // Collective over the members: creates the group's connections and returns once every
+  // member has (a barrier). `name` must be unique per
   // group in the job and identical on every member; `ranks` are global ranks in group order.
   Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
         std::chrono::milliseconds timeout);
