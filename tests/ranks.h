@@ -36,3 +36,28 @@ inline void run_ranks(int64_t n, const std::function<void(int64_t rank, const di
 constexpr std::chrono::milliseconds kTestTimeout{20000};
 
 }  // namespace dhp::testing
+
+#include "dhp/data/shapes.h"
+
+namespace dhp::testing {
+
+// The first `n` samples of the shapes task with image sides in [min_side, max_side].
+inline std::vector<data::Sample> shapes_samples(const qwen::ModelConfig& cfg, int n, int64_t min_side,
+                                                int64_t max_side) {
+  data::ShapesOptions so;
+  so.min_side = min_side;
+  so.max_side = max_side;
+  data::ShapesDataset ds(cfg, so);
+  std::vector<data::Sample> out;
+  for (int i = 0; i < n; ++i) out.push_back(ds.get(i));
+  return out;
+}
+
+// members 0..n-1.
+inline std::vector<int64_t> first_ranks(int64_t n) {
+  std::vector<int64_t> r;
+  for (int64_t i = 0; i < n; ++i) r.push_back(i);
+  return r;
+}
+
+}  // namespace dhp::testing

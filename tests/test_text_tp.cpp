@@ -30,13 +30,7 @@ class TextTensorParallel : public ::testing::TestWithParam<bool> {};
 TEST_P(TextTensorParallel, DemoModelLossAndGradsEqualSingleProcess) {
   auto cfg = dhp::qwen::preset("demo");
   cfg.text.tie_word_embeddings = GetParam();
-  dhp::data::ShapesOptions so;
-  so.min_side = 56;
-  so.max_side = 168;
-  dhp::data::ShapesDataset ds(cfg, so);
-  std::vector<dhp::data::Sample> samples;
-  for (int i = 0; i < 3; ++i) samples.push_back(ds.get(i));
-  auto batch = dhp::data::collate(samples, cfg);
+  auto batch = dhp::data::collate(dhp::testing::shapes_samples(cfg, 3, 56, 168), cfg);
 
   dhp::qwen::Qwen2_5_VL ref(cfg);
   dhp::qwen::init_parameters(*ref, 7, 0.05);
@@ -108,12 +102,7 @@ TEST(DataParallel, TpTimesDpGradsEqualTheWholeBatch) {
   // the global batch's target count; after the bucketed DP all-reduce every shard's
   // gradient equals the slice of the single-process gradient over the whole batch.
   auto cfg = dhp::qwen::preset("demo");
-  dhp::data::ShapesOptions so;
-  so.min_side = 56;
-  so.max_side = 112;
-  dhp::data::ShapesDataset ds(cfg, so);
-  std::vector<dhp::data::Sample> all;
-  for (int i = 0; i < 4; ++i) all.push_back(ds.get(i));
+  auto all = dhp::testing::shapes_samples(cfg, 4, 56, 112);
   auto whole = dhp::data::collate(all, cfg);
   const double n_tgt = static_cast<double>(whole.num_target_tokens());
   dhp::qwen::Qwen2_5_VL ref(cfg);

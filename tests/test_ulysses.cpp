@@ -28,9 +28,7 @@ void check_parity(const std::vector<int64_t>& rows, const std::vector<int64_t>& 
   for (auto r : rows) off.push_back(off.back() + r);
   ASSERT_EQ(off.back(), S);
   run_ranks(sp, [&](int64_t r, const dhp::dist::Store& store) {
-    std::vector<int64_t> members;
-    for (int64_t i = 0; i < sp; ++i) members.push_back(i);
-    dhp::dist::Group g(store, "sp", members, r, kTestTimeout);
+    dhp::dist::Group g(store, "sp", dhp::testing::first_ranks(sp), r, kTestTimeout);
     auto part = [&](const torch::Tensor& t) { return t.detach().narrow(0, off[r], rows[r]).clone().requires_grad_(true); };
     auto qs = part(q), ks = part(k), vs = part(v);
     auto out = dhp::parallel::ulysses_attention(qs, ks, vs, cu, causal, g, rows, 8);

@@ -33,13 +33,7 @@ TEST(VisionSp, WindowShardsAreWholeWindowsAndBalanced) {
 
 void check_sp(int64_t sp) {
   auto cfg = dhp::qwen::preset("demo");  // 4 vision heads
-  dhp::data::ShapesOptions so;
-  so.min_side = 112;
-  so.max_side = 224;
-  dhp::data::ShapesDataset ds(cfg, so);
-  std::vector<dhp::data::Sample> samples;
-  for (int i = 0; i < 3; ++i) samples.push_back(ds.get(i));
-  auto batch = dhp::data::collate(samples, cfg);
+  auto batch = dhp::data::collate(dhp::testing::shapes_samples(cfg, 3, 112, 224), cfg);
   dhp::qwen::Qwen2_5_VL ref(cfg);
   dhp::qwen::init_parameters(*ref, 5, 0.05);
   auto out = ref->forward(batch);
@@ -47,9 +41,7 @@ void check_sp(int64_t sp) {
   const double loss = out.loss_sum.item<double>();
   auto ref_params = ref->named_parameters();
   run_ranks(sp, [&](int64_t r, const dhp::dist::Store& store) {
-    std::vector<int64_t> members;
-    for (int64_t i = 0; i < sp; ++i) members.push_back(i);
-    dhp::dist::Group g(store, "sp", members, r, kTestTimeout);
+    dhp::dist::Group g(store, "sp", dhp::testing::first_ranks(sp), r, kTestTimeout);
     dhp::qwen::Qwen2_5_VL m(cfg);
     dhp::qwen::init_parameters(*m, 5, 0.05);
     dhp::parallel::parallelize_vision_sp(*m, g);

@@ -39,9 +39,7 @@ void check(int64_t ws) {
     adam.step(0.01 * (s + 1));
   }
   run_ranks(ws, [&](int64_t r, const dhp::dist::Store& store) {
-    std::vector<int64_t> members;
-    for (int64_t i = 0; i < ws; ++i) members.push_back(i);
-    dhp::dist::Group g(store, "zero", members, r, kTestTimeout);
+    dhp::dist::Group g(store, "zero", dhp::testing::first_ranks(ws), r, kTestTimeout);
     auto ps = make_params();
     dhp::parallel::Zero1AdamW z(ps, o, g);
     EXPECT_EQ(z.total_numel(), 35 + 7 + 15);  // 57: padded to 58 on 2 ranks
