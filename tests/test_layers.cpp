@@ -148,7 +148,7 @@ TEST(Layers, MergerConcatenatesFourPatches) {
   auto x = torch::randn({8, v.hidden_size});
   auto y = m(x);
   ASSERT_EQ(y.sizes(), (torch::IntArrayRef{2, v.out_hidden_size}));
-  auto l0 = m->mlp[0]->as<dhp::nn::LinearImpl>(), l2 = m->mlp[2]->as<dhp::nn::LinearImpl>();
+  auto l0 = m->fc1.get(), l2 = m->fc2.get();
   auto cat = m->ln_q(x).view({2, 4 * v.hidden_size});
   auto ref = l2->forward(torch::gelu(l0->forward(cat)));
   EXPECT_TRUE(torch::allclose(y, ref, 1e-6, 1e-6));

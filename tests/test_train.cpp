@@ -36,7 +36,7 @@ TEST(Train, MicroBatchesEqualOneBigBatch) {
   auto s1 = one.train_step(), s4 = four.train_step();
   EXPECT_NEAR(s1.loss, s4.loss, 1e-6 * s1.loss);
   EXPECT_NEAR(s1.grad_norm, s4.grad_norm, 1e-5 * s1.grad_norm);
-  auto p1 = one.model()->named_parameters(), p4 = four.model()->named_parameters();
+  auto p1 = one.model().named_parameters(), p4 = four.model().named_parameters();
   for (auto& kv : p1) {
     auto g1 = kv.value().grad(), g4 = p4[kv.key()].grad();
     const double scale = g1.abs().max().item<double>() + 1e-12;
@@ -48,7 +48,7 @@ TEST(Train, MicroBatchesEqualOneBigBatch) {
 
 TEST(Train, Bf16KeepsFp32MastersAndTracksFp32) {
   dhp::train::Trainer f(small_config()), h(small_config({"training.precision=bf16"}));
-  EXPECT_EQ(h.model()->named_parameters()["model.layers.0.mlp.up_proj.weight"].scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(h.model().named_parameters()["model.layers.0.mlp.up_proj.weight"].scalar_type(), torch::kBFloat16);
   auto lf = losses(f, 3), lh = losses(h, 3);
   for (int i = 0; i < 3; ++i) {
     EXPECT_TRUE(std::isfinite(lh[i]));

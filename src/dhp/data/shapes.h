@@ -22,6 +22,13 @@ struct Sample {
   std::string answer;                // reference answer text
 };
 
+// Next-token targets the sample contributes once packed (labels after the first position).
+inline int64_t num_targets(const Sample& s) {
+  int64_t n = 0;
+  for (size_t i = 1; i < s.labels.size(); ++i) n += s.labels[i] != -100;
+  return n;
+}
+
 // Qwen's image normalisation constants (OpenAI CLIP mean / std).
 constexpr float kImageMean[3] = {0.48145466f, 0.4578275f, 0.40821073f};
 constexpr float kImageStd[3] = {0.26862954f, 0.26130258f, 0.27577711f};

@@ -20,6 +20,26 @@ struct Group::Impl {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
 };
 
+namespace {
+
+thread_local CommStats tls_stats;
+
+// Adds the wall time of one collective to this thread's statistics.
+struct CommTimer {
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  int64_t bytes;
+  explicit CommTimer(const torch::Tensor& t) : bytes(t.numel() * static_cast<int64_t>(t.element_size())) {}
+  ~CommTimer() {
+    tls_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    tls_stats.calls += 1;
+    tls_stats.bytes += bytes;
+  }
+};
+
+}  // namespace
+
+CommStats comm_stats() { return tls_stats; }
+
 Store make_hash_store() {
   return Store(std::make_shared<Store::Impl>(Store::Impl{c10::make_intrusive<c10d::HashStore>()}));
 }
@@ -58,6 +78,7 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
 void Group::all_reduce_sum_(torch::Tensor& t) const {
   if (!impl_) return;
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  CommTimer timer(t);
   std::vector<torch::Tensor> v{t};
   impl_->pg->allreduce(v)->wait();
 }
@@ -65,6 +86,7 @@ void Group::all_reduce_sum_(torch::Tensor& t) const {
 void Group::all_reduce_max_(torch::Tensor& t) const {
   if (!impl_) return;
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  CommTimer timer(t);
   std::vector<torch::Tensor> v{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
@@ -74,6 +96,7 @@ void Group::all_reduce_max_(torch::Tensor& t) const {
 torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {
   if (!impl_) return t;
   auto in = t.contiguous();
+  CommTimer timer(in);
   std::vector<torch::Tensor> inputs{in};
   std::vector<std::vector<torch::Tensor>> outputs(1);
   for (int64_t i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(in));
@@ -93,6 +116,7 @@ torch::Tensor Group::all_to_all(const torch::Tensor& t, const std::vector<int64_
   auto shape = in.sizes().vec();
   shape[0] = total;
   auto out = torch::empty(shape, in.options());
+  CommTimer timer(in);
   auto send = send_rows, recv = recv_rows;
   impl_->pg->alltoall_base(out, in, recv, send)->wait();
   return out;

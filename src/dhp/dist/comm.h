@@ -34,6 +34,15 @@ Store make_hash_store();
 Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool is_master,
                      std::chrono::milliseconds timeout);
 
+// Time, calls and bytes sent (input sizes) of the collectives this thread has run (ranks are
+// processes or, in tests, threads); differences between two reads measure a step.
+struct CommStats {
+  double seconds = 0;
+  int64_t calls = 0;
+  int64_t bytes = 0;
+};
+CommStats comm_stats();
+
 class Group {
  public:
   Group();  // the group of one: this rank alone

@@ -87,4 +87,12 @@ std::vector<int64_t> ModuleLayout::dp_group(int64_t i) const {
   return g;
 }
 
+std::vector<int64_t> ModuleLayout::data_group(int64_t i) const {
+  const auto c = coord(i);
+  std::vector<int64_t> g;
+  for (int64_t d = 0; d < dp; ++d)
+    for (int64_t s = 0; s < sp; ++s) g.push_back(ranks[static_cast<size_t>(d * tp * sp + s * tp + c.tp)]);
+  return g;
+}
+
 }  // namespace dhp::dist

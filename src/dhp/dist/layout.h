@@ -41,6 +41,9 @@ struct ModuleLayout {
   std::vector<int64_t> tp_group(int64_t module_rank) const;
   std::vector<int64_t> sp_group(int64_t module_rank) const;
   std::vector<int64_t> dp_group(int64_t module_rank) const;
+  // The sp x dp ranks that share `module_rank`'s tp coordinate: where replicated
+  // parameters' gradients are summed and ZeRO shards optimizer state.
+  std::vector<int64_t> data_group(int64_t module_rank) const;
 };
 
 // 0..n-1.

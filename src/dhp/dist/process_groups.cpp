@@ -27,6 +27,9 @@ ProcessGroups make_process_groups(const Store& store, const ModuleLayout& layout
   pg.tp = sub_group(store, layout, "tp", layout.tp_group(i), global_rank, timeout);
   pg.sp = sub_group(store, layout, "sp", layout.sp_group(i), global_rank, timeout);
   pg.dp = sub_group(store, layout, "dp", layout.dp_group(i), global_rank, timeout);
+  if (layout.sp == 1) pg.data = pg.dp;
+  else if (layout.dp == 1) pg.data = pg.sp;
+  else pg.data = sub_group(store, layout, "data", layout.data_group(i), global_rank, timeout);
   return pg;
 }
 

@@ -11,6 +11,7 @@ struct ProcessGroups {
   bool member = false;  // does this rank run the module?
   Group module;         // all ranks of the module
   Group tp, sp, dp;     // this rank's sub-groups (groups of one when the degree is 1)
+  Group data;           // sp x dp with this rank's tp coordinate (the sp or dp group when one is 1)
 };
 
 // Collective over all ranks of the job (each builds the groups it belongs to, in the fixed

@@ -5,6 +5,9 @@
 
 #include <torch/nn/module.h>
 
+#include <functional>
+#include <string>
+
 namespace dhp::nn {
 
 // y = x W^T + b with parameters "weight" (out, in) and "bias" (out, absent when off), as
@@ -61,5 +64,11 @@ torch::Tensor rope_inv_freq(int64_t dim, double theta);
 // fn must be deterministic. Only for use under torch::autograd::backward (not autograd::grad).
 torch::Tensor checkpoint(std::function<torch::Tensor(const torch::Tensor&)> fn,
                          const torch::Tensor& x);
+
+// How a model runs one named stage (a layer, an embedding, a norm): runner(name, fn, x)
+// must return fn(x) (parallel strategies wrap it, e.g. ZeRO-3 gathers the stage's
+// parameters around the call).
+using StageFn = std::function<torch::Tensor(const torch::Tensor&)>;
+using StageRunner = std::function<torch::Tensor(const std::string& name, const StageFn& fn, const torch::Tensor& x)>;
 
 }  // namespace dhp::nn

@@ -14,10 +14,37 @@ torch::Tensor shard_of(const torch::Tensor& full, int64_t dim, const dist::Group
   return full.detach().narrow(dim, g.rank() * n, n).clone();
 }
 
-ColumnParallelLinearImpl::ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group g)
-    : group(std::move(g)) {
-  weight = register_parameter("weight", shard_of(full.weight, 0, group, "ColumnParallelLinear weight"));
-  if (full.bias.defined()) bias = register_parameter("bias", shard_of(full.bias, 0, group, "ColumnParallelLinear bias"));
+torch::Tensor shard_of_parts(const torch::Tensor& full, int64_t dim, int64_t parts, const dist::Group& g,
+                             const char* what) {
+  if (parts == 1) return shard_of(full, dim, g, what);
+  DHP_CHECK(full.size(dim) % (parts * g.size()) == 0, what, ": dim ", dim, " of size ", full.size(dim), " is not ",
+            parts, " blocks divisible by the tensor-parallel size ", g.size());
+  std::vector<int64_t> blocked(full.sizes().begin(), full.sizes().end());
+  blocked[dim] = full.size(dim) / parts;
+  blocked.insert(blocked.begin() + dim, parts);  // (..., parts, n/parts, ...)
+  auto shard = shard_of(full.reshape(blocked), dim + 1, g, what);
+  std::vector<int64_t> out(full.sizes().begin(), full.sizes().end());
+  out[dim] /= g.size();
+  return shard.reshape(out);
+}
+
+torch::Tensor unshard(const torch::Tensor& shard, const TpShard& how, const dist::Group& g) {
+  if (how.dim < 0 || g.size() == 1) return shard;
+  if (how.parts == 1) return g.all_gather(shard.contiguous(), how.dim);
+  std::vector<int64_t> blocked(shard.sizes().begin(), shard.sizes().end());
+  blocked[how.dim] /= how.parts;
+  blocked.insert(blocked.begin() + how.dim, how.parts);
+  auto full = g.all_gather(shard.reshape(blocked).contiguous(), how.dim + 1);
+  std::vector<int64_t> out(shard.sizes().begin(), shard.sizes().end());
+  out[how.dim] *= g.size();
+  return full.reshape(out);
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group g, int64_t p)
+    : group(std::move(g)), parts(p) {
+  weight = register_parameter("weight", shard_of_parts(full.weight, 0, parts, group, "ColumnParallelLinear weight"));
+  if (full.bias.defined())
+    bias = register_parameter("bias", shard_of_parts(full.bias, 0, parts, group, "ColumnParallelLinear bias"));
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {

@@ -19,10 +19,13 @@ namespace dhp::parallel {
 
 class ColumnParallelLinearImpl : public dhp::nn::LinearImpl {
  public:
-  // weight, bias: shards; bias undefined when the full layer has none.
-  ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group group);
+  // weight, bias: shards; bias undefined when the full layer has none. `parts` > 1: the
+  // output is `parts` stacked blocks (a fused qkv: parts = 3) and each block is split, so
+  // rank r holds rows r of q, of k and of v.
+  ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group group, int64_t parts = 1);
   torch::Tensor forward(const torch::Tensor& x) override;
   dist::Group group;
+  int64_t parts = 1;
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -38,5 +41,17 @@ TORCH_MODULE(RowParallelLinear);
 // Rows [rank*n/size, (rank+1)*n/size) of dim `dim`; throws dhp::Error naming `what` when
 // the group size does not divide it.
 torch::Tensor shard_of(const torch::Tensor& full, int64_t dim, const dist::Group& group, const char* what);
+// As shard_of, but dim `dim` is `parts` stacked blocks, each split across the group.
+torch::Tensor shard_of_parts(const torch::Tensor& full, int64_t dim, int64_t parts, const dist::Group& group,
+                             const char* what);
+
+// How a tensor-parallel parameter is cut from the full one: along `dim` (-1: replicated),
+// with `parts` stacked blocks each split (see ColumnParallelLinear). Inverse: unshard().
+struct TpShard {
+  int64_t dim = -1;
+  int64_t parts = 1;
+};
+// The full tensor from every rank's shard (all-gather over `group`), on every rank.
+torch::Tensor unshard(const torch::Tensor& shard, const TpShard& how, const dist::Group& group);
 
 }  // namespace dhp::parallel

@@ -56,8 +56,14 @@ void Config::validate() const {
   DHP_CHECK(training.attention_block > 0, "training.attention_block must be > 0");
   DHP_CHECK(training.log_every > 0, "training.log_every must be > 0");
   parse_bytes(training.memory_limit, "training.memory_limit");
-  DHP_CHECK(parallel.strategy == "none", "parallel.strategy='", parallel.strategy,
-            "' is not available in this build yet; use none (single process)");
+  {
+    const auto& s = parallel.strategy;
+    DHP_CHECK(s == "none" || s == "dhp" || s == "tp" || s == "zero3" || s == "dp" || s == "custom",
+              "parallel.strategy='", s, "' is not one of none, dhp, tp, zero3, dp, custom");
+    DHP_CHECK(parallel.timeout_s > 0, "parallel.timeout_s must be > 0, got ", parallel.timeout_s);
+    DHP_CHECK(s != "custom" || (!parallel.vision.strategy.empty() && !parallel.text.strategy.empty()),
+              "parallel.strategy=custom needs parallel.vision.strategy and parallel.text.strategy");
+  }
   DHP_CHECK(!output.dir.empty(), "output.dir must not be empty");
 }
 

@@ -79,10 +79,35 @@ struct TrainingOptions {
   }
 };
 
-struct ParallelOptions {
-  std::string strategy = "none";  // single process for now
+// One module's strategy and degrees; empty / 0 / -1 = derived from parallel.strategy and
+// the number of ranks (see resolve_layouts).
+struct ModuleParallelOptions {
+  std::string strategy;  // vision: none, sp, tp, zero3, dp; text: none, tp, zero3, dp
+  int64_t sp = 0, tp = 0, dp = 0;
+  int64_t zero = -1;
   template <class V>
-  void visit(V& v) { v.field("strategy", strategy, "parallel strategy: none (single process)"); }
+  void visit(V& v) {
+    v.field("strategy", strategy, "this module's strategy (empty = from parallel.strategy)");
+    v.field("sp", sp, "sequence-parallel degree (0 = derived)");
+    v.field("tp", tp, "tensor-parallel degree (0 = derived)");
+    v.field("dp", dp, "data-parallel replicas (0 = derived)");
+    v.field("zero", zero, "ZeRO stage 0, 1 or 3 (-1 = derived: 1 for sp, 3 for zero3, else 0)");
+  }
+};
+
+struct ParallelOptions {
+  std::string strategy = "none";
+  double timeout_s = 300;  // collective / rendezvous timeout
+  ModuleParallelOptions vision, text;
+  template <class V>
+  void visit(V& v) {
+    v.field("strategy", strategy,
+            "none (one process), dhp (vision sp + ZeRO-1, text tp), tp (both tp), zero3 (both zero3), "
+            "dp (both data-parallel) or custom (parallel.vision / parallel.text say)");
+    v.field("timeout_s", timeout_s, "seconds a collective or the rendezvous may wait before the job fails");
+    v.section("vision", vision, "vision tower strategy (overrides parallel.strategy)");
+    v.section("text", text, "text decoder strategy (overrides parallel.strategy)");
+  }
 };
 
 struct OutputOptions {

@@ -41,10 +41,31 @@ double text_forward_flops(const qwen::TextConfig& c, const std::vector<int64_t>&
          2 * static_cast<double>(targets) * h * static_cast<double>(c.vocab_size);
 }
 
-double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& b) {
-  double f = text_forward_flops(cfg.text, b.cu_seqlens, b.num_target_tokens());
-  if (!b.grid_thw.empty()) f += vision_forward_flops(cfg.vision, qwen::make_vision_plan(b.grid_thw, cfg.vision));
+namespace {
+
+double training_flops(const qwen::ModelConfig& cfg, const std::vector<int64_t>& cu,
+                      const std::vector<qwen::GridTHW>& grids, int64_t targets) {
+  double f = text_forward_flops(cfg.text, cu, targets);
+  if (!grids.empty()) f += vision_forward_flops(cfg.vision, qwen::make_vision_plan(grids, cfg.vision));
   return 3 * f;
+}
+
+}  // namespace
+
+double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& b) {
+  return training_flops(cfg, b.cu_seqlens, b.grid_thw, b.num_target_tokens());
+}
+
+double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Sample>& samples) {
+  std::vector<int64_t> cu{0};
+  std::vector<qwen::GridTHW> grids;
+  int64_t targets = 0;
+  for (const auto& s : samples) {
+    cu.push_back(cu.back() + static_cast<int64_t>(s.ids.size()));
+    grids.insert(grids.end(), s.grids.begin(), s.grids.end());
+    targets += data::num_targets(s);
+  }
+  return training_flops(cfg, cu, grids, targets);
 }
 
 }  // namespace dhp::train

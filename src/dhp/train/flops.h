@@ -4,6 +4,7 @@
 // the usual model-FLOPs-utilisation convention.
 #pragma once
 
+#include "dhp/data/shapes.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 
 namespace dhp::train {
@@ -12,5 +13,7 @@ double vision_forward_flops(const qwen::VisionConfig& cfg, const qwen::VisionPla
 double text_forward_flops(const qwen::TextConfig& cfg, const std::vector<int64_t>& cu_seqlens,
                           int64_t target_tokens);
 double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& batch);
+// The same for the samples of one packed micro-batch, without packing them.
+double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Sample>& samples);
 
 }  // namespace dhp::train

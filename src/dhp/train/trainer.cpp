@@ -27,11 +27,6 @@ data::ShapesOptions shapes_options(const Config& cfg, uint64_t stream) {
   return o;
 }
 
-void set_attention_block(qwen::Qwen2_5_VLImpl& m, int64_t block) {
-  for (auto& b : *m.visual->blocks) b->as<qwen::VisionBlockImpl>()->attn->core = qwen::local_attention_core(block);
-  for (auto& l : *m.model->layers) l->as<qwen::DecoderLayerImpl>()->self_attn->core = qwen::local_attention_core(block);
-}
-
 std::string fmt_duration(double s) {
   char buf[32];
   const int t = static_cast<int>(s + 0.5);
@@ -47,54 +42,35 @@ std::string metrics_json(const StepMetrics& m) {
      << ", \"patches_per_s\": " << m.patches_per_s << ", \"step_time_s\": " << m.step_time_s
      << ", \"tokens\": " << m.tokens << ", \"target_tokens\": " << m.target_tokens
      << ", \"patches\": " << m.patches << ", \"peak_bytes\": " << m.peak_bytes
-     << ", \"model_flops\": " << m.model_flops << "}";
+     << ", \"model_flops\": " << m.model_flops << ", \"comm_s\": " << m.comm_s
+     << ", \"comm_calls\": " << m.comm_calls << ", \"comm_bytes\": " << m.comm_bytes << "}";
   return os.str();
 }
 
 }  // namespace
 
-std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model) {
-  std::vector<NamedParam> out;
-  for (auto& kv : model.named_parameters(true)) {
-    out.push_back({kv.key(), kv.value(), qwen::decays(kv.key(), kv.value())});
-  }
-  return out;
-}
-
-qwen::Qwen2_5_VL build_model(const Config& cfg) {
-  qwen::Qwen2_5_VL m(cfg.model.config);
-  qwen::init_parameters(*m, static_cast<uint64_t>(cfg.training.seed), cfg.model.config.initializer_range);
-  if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
-  m->set_activation_checkpointing(cfg.training.activation_checkpointing);
-  set_attention_block(*m, cfg.training.attention_block);
-  return m;
-}
-
-Trainer::Trainer(const Config& cfg)
+Trainer::Trainer(const Config& cfg, const Runtime& rt)
     : cfg_(cfg),
+      rt_(rt),
       train_data_(cfg.model.config, shapes_options(cfg, 0)),
       eval_data_(cfg.model.config, shapes_options(cfg, 1)) {
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  torch::set_num_threads(cfg_.training.threads > 0 ? static_cast<int>(cfg_.training.threads) : static_cast<int>(hw));
+  // Ranks on one machine share its cores.
+  const int64_t share = std::max<int64_t>(1, static_cast<int64_t>(hw) / std::max<int64_t>(1, rt_.world));
+  torch::set_num_threads(static_cast<int>(cfg_.training.threads > 0 ? cfg_.training.threads : share));
   set_memory_limit(parse_bytes(cfg_.training.memory_limit, "training.memory_limit"));
-  model_ = build_model(cfg_);
-  AdamWOptions o;
-  o.beta1 = cfg_.training.beta1;
-  o.beta2 = cfg_.training.beta2;
-  o.eps = cfg_.training.eps;
-  o.weight_decay = cfg_.training.weight_decay;
-  optim_ = std::make_unique<AdamW>(named_params(*model_), o);
+  parallel_ = std::make_unique<ParallelModel>(cfg_, resolve_layouts(cfg_, rt_.world), rt_);
 }
 
-std::vector<qwen::Batch> Trainer::step_batches(int64_t step) const {
+std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const {
   const int64_t B = cfg_.data.batch_size, M = cfg_.training.micro_batches;
-  std::vector<qwen::Batch> out;
+  std::vector<std::vector<data::Sample>> out;
   int64_t next = step * B;
   for (int64_t mb = 0; mb < M; ++mb) {
     const int64_t n = B / M + (mb < B % M ? 1 : 0);
     std::vector<data::Sample> samples;
     for (int64_t i = 0; i < n; ++i) samples.push_back(train_data_.get(next++));
-    out.push_back(data::collate(samples, cfg_.model.config));
+    out.push_back(std::move(samples));
   }
   return out;
 }
@@ -102,37 +78,55 @@ std::vector<qwen::Batch> Trainer::step_batches(int64_t step) const {
 StepMetrics Trainer::train_step() {
   Timer timer;
   reset_memory_peak();
-  auto batches = step_batches(step_);
+  const auto comm0 = dist::comm_stats();
+  auto micro = step_samples(step_);
   StepMetrics m;
-  for (const auto& b : batches) {
-    m.target_tokens += b.num_target_tokens();
-    m.tokens += b.input_ids.numel();
-    m.patches += b.pixel_values.defined() ? b.pixel_values.size(0) : 0;
-    m.model_flops += training_flops(cfg_.model.config, b);
+  for (const auto& mb : micro) {
+    for (const auto& s : mb) {
+      m.target_tokens += data::num_targets(s);
+      m.tokens += static_cast<int64_t>(s.ids.size());
+      m.patches += s.pixel_values.defined() ? s.pixel_values.size(0) : 0;
+    }
+    m.model_flops += training_flops(cfg_.model.config, mb);
   }
   DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
-  optim_->zero_grad();
+  parallel_->zero_grad();
   double loss_sum = 0;
-  for (auto& b : batches) {
-    auto out = model_->forward(b);
-    auto loss = out.loss_sum / static_cast<double>(m.target_tokens);  // mean over the global batch
-    loss.backward();
-    loss_sum += out.loss_sum.item<double>();
-  }
-  m.grad_norm = clip_grad_norm(optim_->params(), cfg_.training.grad_clip);
+  for (const auto& mb : micro) loss_sum += parallel_->forward_backward(mb, static_cast<double>(m.target_tokens));
   m.lr = lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
-  optim_->step(m.lr);
+  m.grad_norm = parallel_->finish_step(m.lr, cfg_.training.grad_clip);
+  loss_sum = parallel_->sum_over_job(loss_sum);
   ++step_;
   m.step = step_;
   m.loss = loss_sum / static_cast<double>(m.target_tokens);
+  m.peak_bytes = static_cast<int64_t>(parallel_->max_over_job(static_cast<double>(memory_peak_bytes())));
   m.step_time_s = timer.seconds();
   m.tokens_per_s = static_cast<double>(m.tokens) / m.step_time_s;
   m.patches_per_s = static_cast<double>(m.patches) / m.step_time_s;
-  m.peak_bytes = memory_peak_bytes();
+  const auto comm1 = dist::comm_stats();
+  m.comm_s = comm1.seconds - comm0.seconds;
+  m.comm_calls = comm1.calls - comm0.calls;
+  m.comm_bytes = comm1.bytes - comm0.bytes;
   return m;
 }
 
 EvalResult Trainer::evaluate(int64_t num_samples) {
+  if (parallel_->plain()) return evaluate_model(model(), num_samples);
+  // Sharded: rank 0 evaluates a single-process copy of the full parameters.
+  auto full = parallel_->full_parameters();
+  EvalResult r;
+  if (is_main()) {
+    auto m = build_model(cfg_);
+    torch::NoGradGuard no_grad;
+    for (auto& kv : m->named_parameters()) kv.value().copy_(full.at(kv.key()));
+    full.clear();
+    r = evaluate_model(*m, num_samples);
+  }
+  parallel_->barrier();
+  return r;
+}
+
+EvalResult Trainer::evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samples) {
   torch::NoGradGuard no_grad;
   EvalResult r;
   double loss_sum = 0;
@@ -143,7 +137,7 @@ EvalResult Trainer::evaluate(int64_t num_samples) {
     std::vector<data::Sample> samples;
     for (int64_t i = start; i < std::min(num_samples, start + chunk); ++i) samples.push_back(eval_data_.get(i));
     auto b = data::collate(samples, cfg_.model.config);
-    auto logits = model_->target_logits(b);  // (n, vocab), target positions in order
+    auto logits = model.target_logits(b);  // (n, vocab), target positions in order
     auto sel = b.targets.ne(-100).nonzero().squeeze(-1);
     auto tgt = b.targets.index_select(0, sel);
     loss_sum += torch::nn::functional::cross_entropy(
@@ -184,25 +178,31 @@ EvalResult Trainer::evaluate(int64_t num_samples) {
 EvalResult Trainer::run() {
   namespace fs = std::filesystem;
   const fs::path dir(cfg_.output.dir);
-  fs::create_directories(dir);
-  {
+  const bool main = is_main();  // rank 0 alone reports and writes
+  std::ofstream metrics;
+  if (main) {
+    fs::create_directories(dir);
     std::ofstream c(dir / "config.yaml");
     c << "# resolved dhp config (dhp " << DHP_VERSION << ")\n" << to_yaml(cfg_);
+    metrics.open(dir / "metrics.jsonl");
+    DHP_CHECK(metrics.good(), "cannot write ", (dir / "metrics.jsonl").string());
   }
-  std::ofstream metrics(dir / "metrics.jsonl");
-  DHP_CHECK(metrics.good(), "cannot write ", (dir / "metrics.jsonl").string());
   const auto pc = qwen::count_parameters(cfg_.model.config);
-  log_info("model " + cfg_.model.preset + ": " + std::to_string(pc.vision) + " vision + " +
+  if (main) {
+    log_info("model " + cfg_.model.preset + ": " + std::to_string(pc.vision) + " vision + " +
            std::to_string(pc.text) + " text parameters; " + std::to_string(cfg_.training.steps) +
            " steps of " + std::to_string(cfg_.data.batch_size) + " samples; threads " +
            std::to_string(torch::get_num_threads()) + "; run dir " + dir.string());
-  log_info("fp32 GEMMs: " + blas_description());
-  if (!blas_hint().empty()) log_warn(blas_hint());
+    log_info("parallel: " + std::to_string(rt_.world) + " rank(s), " + describe(parallel_->layouts()));
+    log_info("fp32 GEMMs: " + blas_description());
+    if (!blas_hint().empty()) log_warn(blas_hint());
+  }
   const bool tty = isatty(2);
   Timer total;
   double first_loss = 0, last_loss = 0;
   for (int64_t s = 0; s < cfg_.training.steps; ++s) {
     auto m = train_step();
+    if (!main) continue;
     metrics << metrics_json(m) << "\n";
     metrics.flush();
     if (s == 0) first_loss = m.loss;
@@ -224,6 +224,7 @@ EvalResult Trainer::run() {
   const double train_s = total.seconds();
   EvalResult ev;
   if (cfg_.data.eval_samples > 0) ev = evaluate(cfg_.data.eval_samples);
+  if (!main) return ev;
   std::ofstream summary(dir / "summary.json");
   summary << std::setprecision(8) << "{\"steps\": " << cfg_.training.steps << ", \"first_loss\": " << first_loss
           << ", \"final_loss\": " << last_loss << ", \"train_seconds\": " << train_s

@@ -1,7 +1,9 @@
-// Single-process training: the model, its optimizer, the data, one step at a time.
-// Owns everything it creates; not thread-safe.
+// Training on one rank of a job (or alone): the parallel model, the data, one step at a
+// time. Every rank builds the same global batch; ParallelModel decides what each computes.
+// Rank 0 alone prints and writes the run directory. Not thread-safe.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "dhp/models/qwen2_5_vl/model.h"
 #include "dhp/train/config.h"
 #include "dhp/train/optim.h"
+#include "dhp/train/parallel_model.h"
 
 namespace dhp::train {
 
@@ -24,6 +27,9 @@ struct StepMetrics {
   int64_t tokens = 0, target_tokens = 0, patches = 0;
   int64_t peak_bytes = 0;      // peak CPU tensor bytes during the step
   double model_flops = 0;      // forward+backward FLOPs of the step (6*N*T style, see flops.h)
+  double comm_s = 0;           // this rank's time inside collectives during the step
+  int64_t comm_calls = 0;
+  int64_t comm_bytes = 0;
 };
 
 struct EvalResult {
@@ -36,30 +42,32 @@ struct EvalResult {
 
 class Trainer {
  public:
-  explicit Trainer(const Config& cfg);
+  explicit Trainer(const Config& cfg, const Runtime& rt = {});
   // One optimizer step over the next global batch.
   StepMetrics train_step();
+  // Held-out evaluation (rank 0's result; collective under parallel strategies).
   EvalResult evaluate(int64_t num_samples);
   // Trains cfg.training.steps steps with a progress display, writes metrics.jsonl and
   // config.yaml in cfg.output.dir, evaluates, writes summary.json. Returns the eval.
   EvalResult run();
 
-  qwen::Qwen2_5_VL& model() { return model_; }
-  AdamW& optimizer() { return *optim_; }
+  // This rank's model (sharded under parallel strategies).
+  qwen::Qwen2_5_VLImpl& model() { return parallel_->model(); }
+  ParallelModel& parallel_model() { return *parallel_; }
+  // Every parameter in full (collective over the job).
+  std::map<std::string, torch::Tensor> full_parameters() { return parallel_->full_parameters(); }
   const data::ShapesDataset& dataset() const { return train_data_; }
   // The samples of global step `step` (0-based), split into micro-batches.
-  std::vector<qwen::Batch> step_batches(int64_t step) const;
+  std::vector<std::vector<data::Sample>> step_samples(int64_t step) const;
+  bool is_main() const { return rt_.rank == 0; }
 
  private:
+  EvalResult evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samples);
   Config cfg_;
-  qwen::Qwen2_5_VL model_{nullptr};
-  std::unique_ptr<AdamW> optim_;
+  Runtime rt_;
+  std::unique_ptr<ParallelModel> parallel_;
   data::ShapesDataset train_data_, eval_data_;
   int64_t step_ = 0;
 };
-
-// Builds the model for a config: presets, init from the seed, precision, checkpointing.
-qwen::Qwen2_5_VL build_model(const Config& cfg);
-std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model);
 
 }  // namespace dhp::train

@@ -62,11 +62,18 @@ Qwen2_5_VLImpl::Qwen2_5_VLImpl(const ModelConfig& c) : cfg(c) {
   }
   vision_fn = [this](const torch::Tensor& patches, const VisionPlan& plan) { return visual->forward(patches, plan); };
   embed_tokens_fn = [this](const torch::Tensor& ids) { return model->embed_tokens(ids); };
-  loss_sum_fn = [this](const torch::Tensor& h, const torch::Tensor& tgt) {
-    auto logits = torch::matmul(h, lm_head_weight().t()).to(torch::kFloat32);
-    return torch::nn::functional::cross_entropy(
-        logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-  };
+  loss_sum_fn = [this](const torch::Tensor& h, const torch::Tensor& tgt) { return local_loss_sum(h, tgt); };
+}
+
+torch::Tensor Qwen2_5_VLImpl::local_loss_sum(const torch::Tensor& h, const torch::Tensor& tgt) {
+  auto logits = torch::matmul(h, lm_head_weight().t()).to(torch::kFloat32);
+  return torch::nn::functional::cross_entropy(
+      logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
+torch::Tensor Qwen2_5_VLImpl::encode_images(const Batch& batch) {
+  if (batch.grid_thw.empty()) return torch::Tensor();
+  return vision_fn(batch.pixel_values, make_vision_plan(batch.grid_thw, cfg.vision));
 }
 
 void Qwen2_5_VLImpl::set_activation_checkpointing(bool on) {
@@ -78,25 +85,25 @@ torch::Tensor Qwen2_5_VLImpl::lm_head_weight() const {
   return lm_head ? lm_head->weight : model->embed_tokens->weight;
 }
 
-torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch) {
+torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch, const torch::Tensor& vision_embeds) {
   auto emb = embed_tokens_fn(batch.input_ids);  // (L, C)
   auto pos = (batch.input_ids == cfg.image_token_id).nonzero().squeeze(-1);
-  if (batch.grid_thw.empty()) {
+  auto vis = vision_embeds.defined() ? vision_embeds : encode_images(batch);  // (N/4, C)
+  if (!vis.defined() || vis.size(0) == 0) {
     DHP_CHECK(pos.numel() == 0, "batch has ", pos.numel(), " <|image_pad|> tokens but no images");
     return emb;
   }
-  auto plan = make_vision_plan(batch.grid_thw, cfg.vision);
-  auto vis = vision_fn(batch.pixel_values, plan);  // (N/4, C)
   DHP_CHECK(vis.size(0) == pos.numel(), "batch has ", pos.numel(),
             " <|image_pad|> tokens but the images give ", vis.size(0), " vision embeddings");
   return emb.index_copy(0, pos, vis.to(emb.scalar_type()));
 }
 
-std::pair<torch::Tensor, torch::Tensor> Qwen2_5_VLImpl::hidden_at_targets(const Batch& batch) {
+std::pair<torch::Tensor, torch::Tensor> Qwen2_5_VLImpl::hidden_at_targets(const Batch& batch,
+                                                                           const torch::Tensor& vision_embeds) {
   auto [cos, sin] = mrope_cos_sin(batch.position_ids, cfg.text);
   const auto dtype = model->embed_tokens->weight.scalar_type();
   TextAttnInputs in{cos.to(dtype), sin.to(dtype), batch.cu_seqlens};
-  auto h = model->forward(embed(batch), in);  // (L, C)
+  auto h = model->forward(embed(batch, vision_embeds), in);  // (L, C)
   auto sel = batch.targets.ne(-100).nonzero().squeeze(-1);
   return {h.index_select(0, sel), batch.targets.index_select(0, sel)};
 }
@@ -106,8 +113,8 @@ torch::Tensor Qwen2_5_VLImpl::target_logits(const Batch& batch) {
   return torch::matmul(h, lm_head_weight().t()).to(torch::kFloat32);
 }
 
-Qwen2_5_VLImpl::Output Qwen2_5_VLImpl::forward(const Batch& batch) {
-  auto [h, tgt] = hidden_at_targets(batch);
+Qwen2_5_VLImpl::Output Qwen2_5_VLImpl::forward(const Batch& batch, const torch::Tensor& vision_embeds) {
+  auto [h, tgt] = hidden_at_targets(batch, vision_embeds);
   Output out;
   out.num_tokens = tgt.numel();
   out.loss_sum = out.num_tokens == 0 ? h.sum().to(torch::kFloat32) * 0 : loss_sum_fn(h, tgt);

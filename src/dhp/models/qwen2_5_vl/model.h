@@ -44,11 +44,17 @@ class Qwen2_5_VLImpl : public torch::nn::Module {
     torch::Tensor loss_sum;  // () fp32
     int64_t num_tokens = 0;  // target tokens
   };
-  Output forward(const Batch& batch);
+  // vision_embeds: the batch's image embeddings (N/4, C) when computed elsewhere (parallel
+  // drivers); undefined: encoded here by vision_fn.
+  Output forward(const Batch& batch, const torch::Tensor& vision_embeds = {});
+  // The batch's image embeddings (N/4, C) in order, through vision_fn; undefined without images.
+  torch::Tensor encode_images(const Batch& batch);
   // Embeddings with vision rows in place of <|image_pad|>: (L, C).
-  torch::Tensor embed(const Batch& batch);
+  torch::Tensor embed(const Batch& batch, const torch::Tensor& vision_embeds = {});
   // Final hidden states (n, C) at the target positions and their targets (n).
-  std::pair<torch::Tensor, torch::Tensor> hidden_at_targets(const Batch& batch);
+  std::pair<torch::Tensor, torch::Tensor> hidden_at_targets(const Batch& batch, const torch::Tensor& vision_embeds = {});
+  // Summed cross-entropy through the local lm_head (the default loss_sum_fn).
+  torch::Tensor local_loss_sum(const torch::Tensor& h, const torch::Tensor& tgt);
   // Logits (n, vocab) of the target positions only (local lm_head; not vocab-parallel).
   torch::Tensor target_logits(const Batch& batch);
   // lm_head weight (vocab, C): embed_tokens' when tied.

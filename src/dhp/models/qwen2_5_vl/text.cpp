@@ -70,12 +70,15 @@ TextModelImpl::TextModelImpl(const TextConfig& c) : cfg(c) {
 torch::Tensor TextModelImpl::forward(torch::Tensor h, const TextAttnInputs& in) {
   for (size_t i = 0; i < layers->size(); ++i) {
     auto layer = layers->ptr<DecoderLayerImpl>(i);
-    if (activation_checkpointing) {
+    if (runner) {
+      h = runner("model.layers." + std::to_string(i), [layer, in](const torch::Tensor& x) { return layer->forward(x, in); }, h);
+    } else if (activation_checkpointing) {
       h = dhp::nn::checkpoint([layer, in](const torch::Tensor& x) { return layer->forward(x, in); }, h);
     } else {
       h = layer->forward(h, in);
     }
   }
+  if (runner) return runner("model.norm", [this](const torch::Tensor& x) { return norm(x); }, h);
   return norm(h);
 }
 

@@ -56,6 +56,8 @@ class TextModelImpl : public torch::nn::Module {
   dhp::nn::RMSNorm norm{nullptr};
   TextConfig cfg;
   bool activation_checkpointing = false;
+  // Runs each stage ("model.layers.<i>", "model.norm") when set; see VisionTransformer.
+  dhp::nn::StageRunner runner;
 };
 TORCH_MODULE(TextModel);
 

@@ -139,14 +139,13 @@ torch::Tensor VisionBlockImpl::forward(const torch::Tensor& x, const VisionAttnI
 PatchMergerImpl::PatchMergerImpl(const VisionConfig& cfg)
     : merged_dim(cfg.hidden_size * cfg.spatial_merge_size * cfg.spatial_merge_size) {
   ln_q = register_module("ln_q", dhp::nn::RMSNorm(cfg.hidden_size, 1e-6));
-  mlp = register_module("mlp", torch::nn::Sequential(
-                                   dhp::nn::make_linear(merged_dim, merged_dim, true),
-                                   torch::nn::GELU(),
-                                   dhp::nn::make_linear(merged_dim, cfg.out_hidden_size, true)));
+  mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
+  fc1 = mlp->register_module("0", dhp::nn::make_linear(merged_dim, merged_dim, true));
+  fc2 = mlp->register_module("2", dhp::nn::make_linear(merged_dim, cfg.out_hidden_size, true));
 }
 
 torch::Tensor PatchMergerImpl::forward(const torch::Tensor& x) {
-  return mlp->forward(ln_q(x).reshape({-1, merged_dim}));
+  return fc2(torch::gelu(fc1(ln_q(x).reshape({-1, merged_dim}))));  // exact (erf) GELU
 }
 
 PatchEmbedImpl::PatchEmbedImpl(const VisionConfig& cfg) {
@@ -187,7 +186,9 @@ torch::Tensor VisionTransformerImpl::run_blocks(torch::Tensor h, const torch::Te
   for (int64_t i = 0; i < cfg.depth; ++i) {
     VisionAttnInputs in{cos, sin, full.count(i) ? plan.cu_seqlens : plan.cu_window_seqlens};
     auto block = blocks->ptr<VisionBlockImpl>(i);
-    if (activation_checkpointing) {
+    if (runner) {
+      h = runner("visual.blocks." + std::to_string(i), [block, in](const torch::Tensor& x) { return block->forward(x, in); }, h);
+    } else if (activation_checkpointing) {
       h = dhp::nn::checkpoint([block, in](const torch::Tensor& x) { return block->forward(x, in); }, h);
     } else {
       h = block->forward(h, in);
@@ -200,10 +201,14 @@ torch::Tensor VisionTransformerImpl::forward(const torch::Tensor& patches, const
   DHP_CHECK(patches.size(0) == plan.num_patches, "vision: ", patches.size(0),
             " patch rows but the image grids give ", plan.num_patches);
   const int64_t unit = cfg.spatial_merge_size * cfg.spatial_merge_size;
-  auto h = reorder_units(patch_embed(patches), plan.window_index, unit);  // (N, hidden) window order
+  auto stage = [this](const char* name, const dhp::nn::StageFn& fn, const torch::Tensor& x) {
+    return runner ? runner(name, fn, x) : fn(x);
+  };
+  auto h = stage("visual.patch_embed", [this](const torch::Tensor& x) { return patch_embed(x); }, patches);
+  h = reorder_units(h, plan.window_index, unit);  // (N, hidden) window order
   auto [cos, sin] = rotary(plan);
   h = run_blocks(h, cos.to(h.device()), sin.to(h.device()), plan);
-  auto merged = merger(h);  // (N/unit, out) window order
+  auto merged = stage("visual.merger", [this](const torch::Tensor& x) { return merger(x); }, h);  // (N/unit, out) window order
   return reorder_units(merged, inverse_permutation(plan.window_index), 1);
 }
 

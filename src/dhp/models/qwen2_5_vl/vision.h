@@ -82,7 +82,10 @@ class PatchMergerImpl : public torch::nn::Module {
   explicit PatchMergerImpl(const VisionConfig& cfg);
   torch::Tensor forward(const torch::Tensor& x);  // (S, h) -> (S/merge^2, out)
   dhp::nn::RMSNorm ln_q{nullptr};
-  torch::nn::Sequential mlp{nullptr};
+  // "mlp" holds fc1 as child "0" and fc2 as child "2" (Hugging Face's Sequential indices;
+  // the GELU at index 1 has no parameters), so strategies can swap either linear.
+  std::shared_ptr<torch::nn::Module> mlp;
+  dhp::nn::Linear fc1{nullptr}, fc2{nullptr};
   int64_t merged_dim;
 };
 TORCH_MODULE(PatchMerger);
@@ -117,6 +120,10 @@ class VisionTransformerImpl : public torch::nn::Module {
   PatchMerger merger{nullptr};
   VisionConfig cfg;
   bool activation_checkpointing = false;
+  // Runs each stage ("visual.patch_embed", "visual.blocks.<i>", "visual.merger") when set
+  // (ZeRO-3 gathers the stage's parameters around it); null: plain calls, blocks under
+  // activation checkpointing when that is on.
+  dhp::nn::StageRunner runner;
 };
 TORCH_MODULE(VisionTransformer);
 

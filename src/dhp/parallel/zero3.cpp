@@ -1,0 +1,211 @@
+#include "dhp/parallel/zero3.h"
+
+#include <torch/torch.h>
+
+#include "dhp/core/error.h"
+
+namespace dhp::parallel {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+struct StageHolder : torch::CustomClassHolder {
+  Zero3* zero = nullptr;
+  std::string unit;
+  nn::StageFn fn;
+};
+
+}  // namespace
+
+struct Zero3Stage : torch::autograd::Function<Zero3Stage> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, at::TensorList /*shards*/,
+                               c10::intrusive_ptr<StageHolder> h) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["holder"] = c10::IValue::make_capsule(h);
+    const auto& u = h->zero->units_.at(h->unit);
+    torch::NoGradGuard no_grad;
+    h->zero->gather(u);
+    torch::Tensor y;
+    try {
+      y = h->fn(x);
+    } catch (...) {
+      h->zero->release(u);
+      throw;
+    }
+    h->zero->release(u);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto h = c10::static_intrusive_pointer_cast<StageHolder>(ctx->saved_data["holder"].toCapsule());
+    Zero3& z = *h->zero;
+    const auto& u = z.units_.at(h->unit);
+    auto x = ctx->get_saved_variables()[0].detach();
+    const bool x_grad = x.is_floating_point() && ctx->needs_input_grad(0);
+    if (x_grad) x.requires_grad_(true);
+    z.gather(u);
+    std::vector<torch::Tensor> inputs;
+    if (x_grad) inputs.push_back(x);
+    for (auto i : u.params) inputs.push_back(z.params_[i].param);
+    variable_list g;
+    {
+      torch::AutoGradMode enable(true);
+      auto y = h->fn(x);
+      g = torch::autograd::grad({y}, inputs, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
+                                /*allow_unused=*/true);
+    }
+    std::vector<torch::Tensor> param_grads(g.begin() + (x_grad ? 1 : 0), g.end());
+    auto slices = z.reduce_scatter(u, param_grads);
+    param_grads.clear();
+    z.release(u);
+    variable_list out;
+    out.push_back(x_grad ? g[0] : torch::Tensor());
+    for (auto& s : slices) out.push_back(s);
+    out.push_back(torch::Tensor());  // holder
+    return out;
+  }
+};
+
+Zero3::Zero3(torch::nn::Module& module, const std::vector<std::string>& units,
+             const std::vector<std::string>& scopes, dist::Group group)
+    : group_(std::move(group)) {
+  torch::NoGradGuard no_grad;
+  const int64_t ws = group_.size();
+  for (const auto& u : units) units_[u];
+  for (auto& kv : module.named_parameters(true)) {
+    const std::string& name = kv.key();
+    bool in_scope = false;
+    for (const auto& sc : scopes) in_scope = in_scope || name.rfind(sc, 0) == 0;
+    if (!in_scope) continue;
+    std::string best;
+    for (const auto& u : units) {
+      if (name.size() > u.size() && name.compare(0, u.size(), u) == 0 && name[u.size()] == '.' &&
+          u.size() > best.size())
+        best = u;
+    }
+    DHP_CHECK(!best.empty(), "ZeRO-3: parameter ", name, " belongs to no stage");
+    Param p;
+    p.name = name;
+    p.param = kv.value();
+    p.shape = p.param.sizes().vec();
+    p.numel = p.param.numel();
+    p.decay = qwen::decays(name, p.param);
+    p.chunk = (p.numel + ws - 1) / ws;
+    auto flat = torch::zeros({p.chunk * ws}, p.param.options());
+    flat.narrow(0, 0, p.numel).copy_(p.param.reshape({-1}));
+    p.shard = flat.narrow(0, group_.rank() * p.chunk, p.chunk).clone().requires_grad_(true);
+    auto& unit = units_[best];
+    unit.params.push_back(params_.size());
+    unit.width += p.chunk;
+    params_.push_back(std::move(p));
+  }
+  for (auto& [name, u] : units_) release(u);
+}
+
+void Zero3::gather(const Unit& u) {
+  torch::NoGradGuard no_grad;
+  if (u.params.empty()) return;
+  std::vector<torch::Tensor> mine;
+  for (auto i : u.params) mine.push_back(params_[i].shard.detach());
+  auto all = group_.all_gather(torch::cat(mine), 0).view({group_.size(), u.width});  // row r: rank r's slices
+  ++gathers_;
+  int64_t off = 0;
+  for (auto i : u.params) {
+    auto& p = params_[i];
+    auto full = all.narrow(1, off, p.chunk).reshape({-1}).narrow(0, 0, p.numel).view(p.shape);
+    p.param.set_data(full);
+    off += p.chunk;
+  }
+}
+
+void Zero3::release(const Unit& u) {
+  for (auto i : u.params) params_[i].param.set_data(torch::empty({0}, params_[i].param.options()));
+}
+
+std::vector<torch::Tensor> Zero3::reduce_scatter(const Unit& u, const std::vector<torch::Tensor>& grads) const {
+  torch::NoGradGuard no_grad;
+  const int64_t ws = group_.size();
+  std::vector<torch::Tensor> rows;  // each (ws, chunk): row j goes to rank j
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    const auto& p = params_[u.params[k]];
+    auto flat = torch::zeros({p.chunk * ws}, p.shard.options().requires_grad(false));
+    if (grads[k].defined()) flat.narrow(0, 0, p.numel).copy_(grads[k].reshape({-1}));
+    rows.push_back(flat.view({ws, p.chunk}));
+  }
+  auto send = torch::cat(rows, 1);  // (ws, width)
+  std::vector<int64_t> ones(static_cast<size_t>(ws), 1);
+  auto recv = group_.all_to_all(send, ones, ones).sum(0);  // (width): my slice, summed over ranks
+  std::vector<torch::Tensor> out;
+  int64_t off = 0;
+  for (auto i : u.params) {
+    out.push_back(recv.narrow(0, off, params_[i].chunk).clone());
+    off += params_[i].chunk;
+  }
+  return out;
+}
+
+torch::Tensor Zero3::run(const std::string& unit, const nn::StageFn& fn, const torch::Tensor& x) {
+  auto it = units_.find(unit);
+  DHP_CHECK(it != units_.end(), "ZeRO-3: no stage named ", unit);
+  auto h = c10::make_intrusive<StageHolder>();
+  h->zero = this;
+  h->unit = unit;
+  h->fn = fn;
+  std::vector<torch::Tensor> shards;
+  for (auto i : it->second.params) shards.push_back(params_[i].shard);
+  return Zero3Stage::apply(x, at::TensorList(shards), h);
+}
+
+nn::StageRunner Zero3::runner() {
+  return [this](const std::string& name, const nn::StageFn& fn, const torch::Tensor& x) { return run(name, fn, x); };
+}
+
+std::vector<train::NamedParam> Zero3::shards() const {
+  std::vector<train::NamedParam> out;
+  for (const auto& p : params_) {
+    out.push_back({p.name, p.shard, p.decay});
+  }
+  return out;
+}
+
+std::map<std::string, torch::Tensor> Zero3::full_parameters() {
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, u] : units_) {
+    gather(u);
+    for (auto i : u.params) out[params_[i].name] = params_[i].param.detach().clone();
+    release(u);
+  }
+  return out;
+}
+
+std::unique_ptr<Zero3> parallelize_zero3(qwen::Qwen2_5_VLImpl& model, const std::string& scope,
+                                         const dist::Group& group) {
+  std::vector<std::string> units;
+  if (scope == "visual") {
+    units = {"visual.patch_embed", "visual.merger"};
+    for (size_t i = 0; i < model.visual->blocks->size(); ++i) units.push_back("visual.blocks." + std::to_string(i));
+    auto z = std::make_unique<Zero3>(model, units, std::vector<std::string>{"visual."}, group);
+    model.visual->runner = z->runner();
+    return z;
+  }
+  DHP_CHECK(scope == "text", "parallelize_zero3: scope must be visual or text, got '", scope, "'");
+  units = {"model.embed_tokens", "model.norm"};
+  for (size_t i = 0; i < model.model->layers->size(); ++i) units.push_back("model.layers." + std::to_string(i));
+  if (model.lm_head) units.push_back("lm_head");
+  auto z = std::make_unique<Zero3>(model, units, std::vector<std::string>{"model.", "lm_head."}, group);
+  Zero3* zp = z.get();
+  auto* m = &model;
+  model.model->runner = z->runner();
+  model.embed_tokens_fn = [zp, m](const torch::Tensor& ids) {
+    return zp->run("model.embed_tokens", [m](const torch::Tensor& x) { return m->model->embed_tokens(x); }, ids);
+  };
+  const std::string head = model.lm_head ? "lm_head" : "model.embed_tokens";
+  model.loss_sum_fn = [zp, m, head](const torch::Tensor& h, const torch::Tensor& tgt) {
+    return zp->run(head, [m, tgt](const torch::Tensor& x) { return m->local_loss_sum(x, tgt); }, h);
+  };
+  return z;
+}
+
+}  // namespace dhp::parallel

@@ -1,0 +1,83 @@
+// ZeRO-3 (fully sharded data parallelism) for any module whose forward runs through named
+// stages (nn::StageRunner): every parameter is cut into `group.size()` flat slices (padded
+// to a multiple of the group), rank r keeps slice r as a leaf tensor (the optimizer's
+// parameter), and the module's own parameters hold no storage between uses.
+//
+// Stage `unit` runs as one autograd node:
+//   forward:  all-gather the unit's slices into its parameters, run fn(x) without
+//             recording, free the gathered parameters;
+//   backward: all-gather again, recompute fn(x) with autograd, take the gradients of the
+//             parameters and of x, reduce-scatter the parameter gradients (sum over the
+//             group, each rank receives its slice) into the slices' .grad, free everything.
+// So activations are recomputed per stage (ZeRO-3 implies checkpointing here) and at most
+// one unit's full parameters and gradients are alive at a time.
+// Every rank of the group must run the same stages in the same order (collectives); each
+// rank feeds its own data (data parallelism), and the slice gradients are the sums over the
+// group, so no further gradient reduction is needed.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dhp/dist/comm.h"
+#include "dhp/nn/layers.h"
+#include "dhp/models/qwen2_5_vl/model.h"
+#include "dhp/train/optim.h"
+
+namespace dhp::parallel {
+
+class Zero3 {
+ public:
+  // Shards the parameters of `module` whose names start with one of `scopes`; each goes to
+  // the longest unit that prefixes its name (followed by '.'). Throws dhp::Error when such
+  // a parameter matches no unit. Weight decay flags follow qwen::decays.
+  Zero3(torch::nn::Module& module, const std::vector<std::string>& units, const std::vector<std::string>& scopes,
+        dist::Group group);
+
+  // fn(x) with unit `unit`'s parameters present (see above). x may be any tensor (token
+  // ids included); gradients flow to x when it requires them.
+  torch::Tensor run(const std::string& unit, const nn::StageFn& fn, const torch::Tensor& x);
+  // A StageRunner that runs every stage through run().
+  nn::StageRunner runner();
+
+  // This rank's slices, named like the parameters (for the optimizer and clipping).
+  std::vector<train::NamedParam> shards() const;
+  // Every sharded parameter in full, on every rank (collective; for parity checks,
+  // evaluation and checkpoints).
+  std::map<std::string, torch::Tensor> full_parameters();
+  int64_t gathers() const { return gathers_; }  // all-gathers issued so far
+
+ private:
+  struct Param {
+    std::string name;
+    torch::Tensor param;  // the module's parameter: empty storage unless gathered
+    torch::Tensor shard;  // (chunk) this rank's slice, a leaf requiring grad
+    std::vector<int64_t> shape;
+    int64_t numel = 0, chunk = 0;
+    bool decay = false;
+  };
+  struct Unit {
+    std::vector<size_t> params;
+    int64_t width = 0;  // sum of the params' chunks
+  };
+  void gather(const Unit& u);
+  void release(const Unit& u);
+  // Full gradients of the unit's parameters (undefined = zero) -> this rank's slice sums.
+  std::vector<torch::Tensor> reduce_scatter(const Unit& u, const std::vector<torch::Tensor>& grads) const;
+  friend struct Zero3Stage;
+
+  std::vector<Param> params_;
+  std::map<std::string, Unit> units_;
+  dist::Group group_;
+  int64_t gathers_ = 0;
+};
+
+// ZeRO-3 for one module of the model over `group`: scope "visual" (stages patch_embed,
+// blocks.<i>, merger) or "text" (embed_tokens, layers.<i>, norm and the lm_head, which is
+// embed_tokens' stage when tied). Installs the stage runner and hooks; the returned object
+// must outlive the model's use.
+std::unique_ptr<Zero3> parallelize_zero3(qwen::Qwen2_5_VLImpl& model, const std::string& scope, const dist::Group& group);
+
+}  // namespace dhp::parallel
