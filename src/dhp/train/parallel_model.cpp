@@ -58,8 +58,8 @@ int64_t image_rows(const data::Sample& s, int64_t image_token_id) {
 
 // forward: identity; backward: the gradient (zero unless `contribute`) summed over `group`.
 torch::Tensor sum_grad_over(const torch::Tensor& x, const dist::Group& group, bool contribute) {
-  auto masked = contribute ? x : x * 0.0 + x.detach();
-  return parallel::copy_to_group(masked, group);
+  auto y = parallel::copy_to_group(x, group);  // backward: all-reduce of what reaches it
+  return contribute ? y : y * 0.0 + y.detach();  // backward: zero before the all-reduce
 }
 
 }  // namespace

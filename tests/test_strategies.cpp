@@ -1,0 +1,181 @@
+// The strategy parity matrix: every supported vision x text strategy pair, on 2 and 4 ranks
+// (threads), trains 3 optimizer steps of the demo-shaped model on packed samples with
+// ragged image sizes and 2 micro-batches, fp32, and every step's loss and every final
+// parameter (gathered from its shards) equal the single-process run's within 1e-5
+// relative (parameters: ||p - p_ref|| / ||p_ref|| per tensor). The matrix is the table
+// kCases; each row is one test.
+//
+// Two optimizer regimes per row:
+//  * the default AdamW (eps 1e-8): losses compared. Its update m / (sqrt(v) + eps) is a
+//    per-element normalisation, ill-conditioned wherever an element's gradient is small or
+//    cancels across steps: there fp32 rounding of the gradient (~1e-7 relative, different
+//    in any two mathematically equal computations) becomes ~1e-3 of that element's update.
+//    Measured: two single-process runs that differ only in packing (micro_batches 1 vs 2)
+//    already differ by ~1e-4 relative in the small-norm bias tensors after 3 steps.
+//  * the same AdamW with eps = 1 (updates linear in the gradients, momentum SGD-like) and
+//    lr 0.1 so parameters move as far as in the default regime: losses and all parameters
+//    compared, so the final weights test the whole gradient path of every strategy.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <mutex>
+
+#include "dhp/core/error.h"
+#include "dhp/train/trainer.h"
+#include "ranks.h"
+
+namespace {
+
+using dhp::testing::run_ranks;
+
+struct Case {
+  const char* name;
+  int64_t world;
+  std::vector<std::string> sets;  // parallel.* keys
+};
+
+// Named combinations and custom pairs. Degrees left out are derived (see resolve_layouts).
+const std::vector<Case> kCases = {
+    // 2 ranks: the named combinations
+    {"dhp_2", 2, {"parallel.strategy=dhp"}},
+    {"tp_2", 2, {"parallel.strategy=tp"}},
+    {"zero3_2", 2, {"parallel.strategy=zero3"}},
+    {"dp_2", 2, {"parallel.strategy=dp"}},
+    // 2 ranks: every other vision x text pair
+    {"sp_zero3_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=zero3"}},
+    {"sp_dp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=dp"}},
+    {"sp_zero0_tp_2", 2, {"parallel.strategy=dhp", "parallel.vision.zero=0"}},
+    {"tp_zero3_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=zero3"}},
+    {"tp_dp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=dp"}},
+    {"zero3_tp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=tp"}},
+    {"zero3_dp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=dp"}},
+    {"dp_tp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=dp", "parallel.text.strategy=tp"}},
+    {"dp_zero3_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=dp", "parallel.text.strategy=zero3"}},
+    {"tp_zero1_2", 2, {"parallel.strategy=tp", "parallel.text.zero=1", "parallel.vision.zero=1"}},
+    // 4 ranks
+    {"dhp_4", 4, {"parallel.strategy=dhp"}},
+    {"tp_4", 4, {"parallel.strategy=tp"}},
+    {"zero3_4", 4, {"parallel.strategy=zero3"}},
+    {"dp_4", 4, {"parallel.strategy=dp"}},
+    {"sp4_tp2x2_4", 4, {"parallel.strategy=dhp", "parallel.text.tp=2"}},        // vision 1 replica, text 2
+    {"sp2x2_tp2x2_4", 4, {"parallel.strategy=dhp", "parallel.vision.sp=2", "parallel.text.tp=2"}},
+    {"dp4_tp2x2_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=dp", "parallel.text.strategy=tp",
+                        "parallel.text.tp=2"}},
+    {"tp2x2_zero3_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.vision.tp=2",
+                          "parallel.text.strategy=zero3"}},
+    {"zero3_tp4_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=tp"}},
+    {"sp4_dp_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=dp"}},
+    {"tp4_zero3_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=zero3"}},
+};
+
+constexpr int kSteps = 3;
+constexpr double kRel = 1e-5;
+
+dhp::Config config(const std::vector<std::string>& sets) {
+  // Demo widths with 8 query / 4 kv heads so text tp=4 divides them; images 56..168 px.
+  std::vector<std::string> base = {"data.batch_size=8", "training.micro_batches=2", "data.min_side=56",
+                                   "data.max_side=168", "training.steps=10", "training.warmup_steps=1",
+                                   "data.eval_samples=0", "model.text.num_heads=8", "model.text.num_kv_heads=4",
+                                   "model.text.mrope_section=[2,3,3]", "parallel.timeout_s=60"};
+  base.insert(base.end(), sets.begin(), sets.end());
+  return dhp::load_config("", base);
+}
+
+const std::vector<std::string> kLinearAdam = {"training.eps=1", "training.lr=0.1", "training.min_lr=0.01"};
+
+struct TrainedRun {
+  std::vector<double> losses;
+  std::map<std::string, torch::Tensor> params;
+};
+
+TrainedRun train_single(const std::vector<std::string>& sets) {
+  TrainedRun out;
+  dhp::train::Trainer t(config(sets));
+  for (int i = 0; i < kSteps; ++i) out.losses.push_back(t.train_step().loss);
+  out.params = t.full_parameters();
+  return out;
+}
+
+const TrainedRun& reference(bool linear) {
+  static TrainedRun adam = train_single({}), lin = train_single(kLinearAdam);
+  return linear ? lin : adam;
+}
+
+TrainedRun train_parallel(const Case& c, const std::vector<std::string>& extra) {
+  auto sets = c.sets;
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  auto cfg = config(sets);
+  std::mutex mu;
+  TrainedRun got;
+  run_ranks(c.world, [&](int64_t rank, const dhp::dist::Store& store) {
+    dhp::train::Runtime rt;
+    rt.rank = rank;
+    rt.world = c.world;
+    rt.store = std::make_shared<dhp::dist::Store>(store);
+    rt.timeout = dhp::testing::kTestTimeout;
+    dhp::train::Trainer t(cfg, rt);
+    std::vector<double> losses;
+    for (int i = 0; i < kSteps; ++i) losses.push_back(t.train_step().loss);
+    auto params = t.full_parameters();
+    if (rank == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      got.losses = losses;
+      got.params = params;
+    }
+  });
+  return got;
+}
+
+void expect_losses(const TrainedRun& got, const TrainedRun& ref, const char* regime) {
+  ASSERT_EQ(got.losses.size(), static_cast<size_t>(kSteps)) << regime;
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_NEAR(got.losses[i], ref.losses[i], kRel * std::abs(ref.losses[i])) << regime << " step " << i + 1;
+  }
+}
+
+class StrategyParity : public ::testing::TestWithParam<Case> {};
+
+TEST_P(StrategyParity, LossesAndParametersEqualSingleProcess) {
+  const auto& c = GetParam();
+  ASSERT_NO_THROW(dhp::train::resolve_layouts(config(c.sets), c.world));
+  expect_losses(train_parallel(c, {}), reference(false), "default AdamW");
+  const auto got = train_parallel(c, kLinearAdam);
+  const auto& ref = reference(true);
+  expect_losses(got, ref, "linear AdamW");
+  ASSERT_EQ(got.params.size(), ref.params.size());
+  double worst = 0;
+  std::string worst_name;
+  for (const auto& [name, want] : ref.params) {
+    auto it = got.params.find(name);
+    ASSERT_NE(it, got.params.end()) << name;
+    ASSERT_EQ(it->second.sizes(), want.sizes()) << name;
+    const double rel = (it->second - want).norm().item<double>() / (want.norm().item<double>() + 1e-12);
+    EXPECT_LT(rel, kRel) << name;
+    if (rel > worst) worst = rel, worst_name = name;
+  }
+  std::printf("[ %s ] worst parameter difference %.2e relative (%s)\n", c.name, worst, worst_name.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, StrategyParity, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {
+  auto expect_error = [](const std::vector<std::string>& sets, int64_t world, const std::string& part) {
+    try {
+      dhp::train::resolve_layouts(config(sets), world);
+      ADD_FAILURE() << "accepted; expected an error containing '" << part << "'";
+    } catch (const dhp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  expect_error({}, 2, "parallel.strategy=none runs on one process");
+  expect_error({"parallel.strategy=tp"}, 3, "does not divide");           // tp=3 vs 4 vision heads
+  expect_error({"parallel.strategy=dhp", "parallel.text.tp=3"}, 4, "parallel.text.tp=3 does not divide the 4 ranks");
+  expect_error({"parallel.strategy=dhp"}, 8, "sp=8 does not divide vision num_heads=4");
+  expect_error({"parallel.strategy=dp"}, 8, "replicas need at least 8 samples per micro-batch");
+  expect_error({"parallel.strategy=dhp", "data.batch_size=4"}, 4, "needs at least one attention window per rank");
+  expect_error({"parallel.strategy=custom", "parallel.vision.strategy=dp"}, 2, "parallel.vision.strategy and parallel.text.strategy");
+}
+
+}  // namespace
