@@ -14,6 +14,7 @@
 #include "dhp/core/memory.h"
 #include "dhp/train/config.h"
 #include "dhp/train/trainer.h"
+#include "launch.h"
 
 namespace {
 
@@ -100,15 +101,38 @@ int cmd_train(int argc, char** argv, int first) {
         "tokens_per_s, peak_bytes, ...), DIR/config.yaml (the resolved config) and\n"
         "DIR/summary.json (first/final loss, held-out exact-match accuracy).\n\n"
         "options:\n%s  --out DIR         run directory (default: output.dir = runs/demo)\n"
-        "  --nproc N         worker processes (only 1 in this build)\n\n"
-        "'dhp config' lists every key with its default.\n",
+        "  --nproc N         start N local worker processes (ranks 0..N-1, rendezvous on a free\n"
+        "                    port of 127.0.0.1) and supervise them; one failing stops all\n\n"
+        "Started by torchrun (--no-python), srun or mpirun, dhp reads RANK/WORLD_SIZE (or\n"
+        "SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/SIZE) and MASTER_ADDR/MASTER_PORT\n"
+        "and runs as one rank of that job. parallel.strategy chooses the layout (dhp, tp,\n"
+        "zero3, dp, custom); 'dhp config' lists every key with its default.\n",
         kConfigFlags);
     return 0;
   }
-  DHP_CHECK(a.nproc == 1, "--nproc ", a.nproc, ": multi-process training is not in this build yet; use --nproc 1");
   if (!a.out.empty()) a.sets.push_back("output.dir=" + a.out);
   auto cfg = dhp::load_config(a.config, a.sets);
-  dhp::train::Trainer trainer(cfg);
+  const auto env = dhp::launch::worker_env();
+  if (!env) {
+    DHP_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
+    dhp::train::resolve_layouts(cfg, a.nproc);  // refuse an impossible layout before any worker starts
+    if (a.nproc > 1) return dhp::launch::run_workers(a.nproc, std::vector<std::string>(argv, argv + argc));
+  } else {
+    DHP_CHECK(a.nproc == 1 || a.nproc == env->world, "--nproc ", a.nproc, " but the ", env->launcher,
+              " environment says WORLD_SIZE=", env->world);
+  }
+  dhp::train::Runtime rt;
+  rt.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
+  if (env) {
+    rt.rank = env->rank;
+    rt.world = env->world;
+    rt.local_world = env->local_world;
+    if (rt.world > 1) {
+      rt.store = std::make_shared<dhp::dist::Store>(dhp::dist::make_tcp_store(
+          env->master_addr, env->master_port, rt.world, rt.rank == 0, rt.timeout));
+    }
+  }
+  dhp::train::Trainer trainer(cfg, rt);
   trainer.run();
   return 0;
 }
@@ -180,7 +204,10 @@ int main(int argc, char** argv) {
     }
     return it->second(argc, argv, first);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dhp: error: %s\n", e.what());
+    const char* rank = std::getenv("RANK");
+    if (rank) std::fprintf(stderr, "dhp: error on rank %s: %s\n", rank, e.what());
+    else std::fprintf(stderr, "dhp: error: %s\n", e.what());
+    dhp::launch::report_worker_error(e.what());
     return 1;
   }
 }

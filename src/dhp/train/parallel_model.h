@@ -49,6 +49,7 @@ std::string describe(const Layouts& l);
 // Where this process sits in the job.
 struct Runtime {
   int64_t rank = 0, world = 1;
+  int64_t local_world = 0;             // ranks on this machine (0: all of them)
   std::shared_ptr<dist::Store> store;  // required when world > 1
   std::chrono::milliseconds timeout{300000};
 };

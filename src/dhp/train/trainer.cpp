@@ -56,10 +56,17 @@ Trainer::Trainer(const Config& cfg, const Runtime& rt)
       eval_data_(cfg.model.config, shapes_options(cfg, 1)) {
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   // Ranks on one machine share its cores.
-  const int64_t share = std::max<int64_t>(1, static_cast<int64_t>(hw) / std::max<int64_t>(1, rt_.world));
+  const int64_t local = rt_.local_world > 0 ? rt_.local_world : rt_.world;
+  const int64_t share = std::max<int64_t>(1, static_cast<int64_t>(hw) / std::max<int64_t>(1, local));
   torch::set_num_threads(static_cast<int>(cfg_.training.threads > 0 ? cfg_.training.threads : share));
   set_memory_limit(parse_bytes(cfg_.training.memory_limit, "training.memory_limit"));
   parallel_ = std::make_unique<ParallelModel>(cfg_, resolve_layouts(cfg_, rt_.world), rt_);
+  // Test hook: DHP_TEST_FAIL_AT=RANK:STEP makes that rank throw before that step (1-based).
+  if (const char* f = std::getenv("DHP_TEST_FAIL_AT"); f && *f) {
+    long long r = -1, s = -1;
+    DHP_CHECK(std::sscanf(f, "%lld:%lld", &r, &s) == 2, "DHP_TEST_FAIL_AT='", f, "' must be RANK:STEP");
+    if (r == rt_.rank) fail_at_step_ = s;
+  }
 }
 
 std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const {
@@ -76,6 +83,8 @@ std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const
 }
 
 StepMetrics Trainer::train_step() {
+  DHP_CHECK(step_ + 1 != fail_at_step_, "injected failure on rank ", rt_.rank, " at step ", step_ + 1,
+            " (DHP_TEST_FAIL_AT)");
   Timer timer;
   reset_memory_peak();
   const auto comm0 = dist::comm_stats();
@@ -232,10 +241,16 @@ EvalResult Trainer::run() {
           << ", \"eval_loss\": " << ev.loss << ", \"chance\": " << 1.0 / static_cast<double>(train_data_.num_answers())
           << "}\n";
   char line[256];
-  std::snprintf(line, sizeof(line),
-                "done in %s: loss %.4f -> %.4f; held-out exact match %lld/%lld = %.1f%% (chance %.1f%%)",
-                fmt_duration(train_s).c_str(), first_loss, last_loss, static_cast<long long>(ev.exact),
-                static_cast<long long>(ev.samples), 100 * ev.accuracy, 100.0 / static_cast<double>(train_data_.num_answers()));
+  if (ev.samples > 0) {
+    std::snprintf(line, sizeof(line),
+                  "done in %s: loss %.4f -> %.4f; held-out exact match %lld/%lld = %.1f%% (chance %.1f%%)",
+                  fmt_duration(train_s).c_str(), first_loss, last_loss, static_cast<long long>(ev.exact),
+                  static_cast<long long>(ev.samples), 100 * ev.accuracy,
+                  100.0 / static_cast<double>(train_data_.num_answers()));
+  } else {
+    std::snprintf(line, sizeof(line), "done in %s: loss %.4f -> %.4f (no held-out evaluation: data.eval_samples=0)",
+                  fmt_duration(train_s).c_str(), first_loss, last_loss);
+  }
   log_info(line);
   std::string slots = "held-out token accuracy per answer position:";
   for (double a : ev.slot_accuracy) {

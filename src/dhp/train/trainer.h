@@ -68,6 +68,7 @@ class Trainer {
   std::unique_ptr<ParallelModel> parallel_;
   data::ShapesDataset train_data_, eval_data_;
   int64_t step_ = 0;
+  int64_t fail_at_step_ = -1;  // DHP_TEST_FAIL_AT test hook
 };
 
 }  // namespace dhp::train

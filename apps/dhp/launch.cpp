@@ -1,0 +1,220 @@
+#include "launch.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "dhp/core/error.h"
+
+extern char** environ;
+
+namespace dhp::launch {
+namespace {
+
+std::optional<int64_t> env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  DHP_CHECK(end && *end == '\0', "environment variable ", name, "='", v, "' is not an integer");
+  return x;
+}
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  DHP_CHECK(fd >= 0, "cannot open a socket to find a free port: ", std::strerror(errno));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  ::close(fd);
+  DHP_CHECK(ok, "cannot find a free port on 127.0.0.1: ", std::strerror(errno));
+  return ntohs(a.sin_port);
+}
+
+volatile sig_atomic_t g_stop_signal = 0;
+void on_signal(int sig) { g_stop_signal = sig; }
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("killed by signal ") + strsignal(WTERMSIG(status));
+  return "status " + std::to_string(status);
+}
+
+std::string read_file(const std::filesystem::path& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::optional<WorkerEnv> worker_env() {
+  WorkerEnv e;
+  if (auto r = env_int("RANK")) {
+    e.rank = *r;
+    auto w = env_int("WORLD_SIZE");
+    DHP_CHECK(w, "RANK is set but WORLD_SIZE is not");
+    e.world = *w;
+    e.local_rank = env_int("LOCAL_RANK").value_or(e.rank);
+    e.local_world = env_int("LOCAL_WORLD_SIZE").value_or(e.world);
+    e.launcher = std::getenv("DHP_LAUNCHED") ? "dhp" : "torchrun";
+  } else if (auto r = env_int("SLURM_PROCID")) {
+    e.rank = *r;
+    e.world = env_int("SLURM_NTASKS").value_or(1);
+    e.local_rank = env_int("SLURM_LOCALID").value_or(0);
+    e.local_world = env_int("SLURM_NTASKS_PER_NODE").value_or(e.world);
+    e.launcher = "srun";
+  } else if (auto r = env_int("OMPI_COMM_WORLD_RANK")) {
+    e.rank = *r;
+    e.world = env_int("OMPI_COMM_WORLD_SIZE").value_or(1);
+    e.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(0);
+    e.local_world = env_int("OMPI_COMM_WORLD_LOCAL_SIZE").value_or(e.world);
+    e.launcher = "mpirun";
+  } else if (auto r = env_int("PMI_RANK")) {
+    e.rank = *r;
+    e.world = env_int("PMI_SIZE").value_or(1);
+    e.local_rank = env_int("MPI_LOCALRANKID").value_or(0);
+    e.local_world = env_int("MPI_LOCALNRANKS").value_or(e.world);
+    e.launcher = "mpirun";
+  } else {
+    return std::nullopt;
+  }
+  DHP_CHECK(e.world >= 1 && e.rank >= 0 && e.rank < e.world, "rank ", e.rank, " is outside a world of ", e.world,
+            " (from the ", e.launcher, " environment)");
+  if (const char* a = std::getenv("MASTER_ADDR"); a && *a) e.master_addr = a;
+  if (auto p = env_int("MASTER_PORT")) {
+    DHP_CHECK(*p > 0 && *p < 65536, "MASTER_PORT=", *p, " is not a TCP port");
+    e.master_port = static_cast<int>(*p);
+  }
+  return e;
+}
+
+void report_worker_error(const std::string& message) {
+  const char* path = std::getenv("DHP_ERROR_FILE");
+  if (!path || !*path) return;
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
+                      std::chrono::system_clock::now().time_since_epoch()).count();
+  std::ofstream f(path);
+  f << us << "\n" << message;
+}
+
+int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
+  namespace fs = std::filesystem;
+  DHP_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  const int port = std::getenv("MASTER_PORT") ? static_cast<int>(*env_int("MASTER_PORT")) : free_port();
+  const fs::path errdir = fs::temp_directory_path() / ("dhp-errors-" + std::to_string(::getpid()));
+  fs::create_directories(errdir);
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+
+  std::vector<pid_t> pids;
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::fprintf(stderr, "dhp: starting %lld workers (rendezvous 127.0.0.1:%d)\n", static_cast<long long>(nproc), port);
+  for (int64_t r = 0; r < nproc; ++r) {
+    const pid_t pid = ::fork();
+    DHP_CHECK(pid >= 0, "fork failed for rank ", r, ": ", std::strerror(errno));
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      ::setenv("DHP_LAUNCHED", "1", 1);
+      ::setenv("DHP_ERROR_FILE", (errdir / ("rank" + std::to_string(r))).c_str(), 1);
+      ::execv("/proc/self/exe", args.data());
+      std::fprintf(stderr, "dhp: cannot start worker %lld: %s\n", static_cast<long long>(r), std::strerror(errno));
+      ::_exit(127);
+    }
+    pids.push_back(pid);
+  }
+
+  int64_t alive = nproc, failed = -1;
+  std::vector<int> statuses(static_cast<size_t>(nproc), 0);
+  std::vector<bool> done(static_cast<size_t>(nproc), false), bad(static_cast<size_t>(nproc), false);
+  auto stop_all = [&](int sig) {
+    for (int64_t r = 0; r < nproc; ++r)
+      if (!done[r]) ::kill(pids[r], sig);
+  };
+  bool stopping = false;
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  while (alive > 0) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (int64_t r = 0; r < nproc; ++r) {
+        if (pids[r] != pid) continue;
+        done[r] = true;
+        --alive;
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        statuses[r] = status;
+        if (!ok && !stopping) {
+          bad[r] = true;
+          failed = r;
+        }
+      }
+      continue;
+    }
+    if ((failed >= 0 || g_stop_signal) && !stopping) {
+      stopping = true;
+      if (g_stop_signal) std::fprintf(stderr, "dhp: %s: stopping all workers\n", strsignal(g_stop_signal));
+      stop_all(SIGTERM);
+      stop_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    }
+    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+      stop_all(SIGKILL);
+      stop_deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  int rc = 0;
+  if (failed >= 0) {
+    // Several ranks may fail together (the others' collectives break when one exits): the
+    // first error written is the cause.
+    std::string err;
+    long long first = -1;
+    for (int64_t r = 0; r < nproc; ++r) {
+      if (!bad[r]) continue;
+      const std::string text = read_file(errdir / ("rank" + std::to_string(r)));
+      const auto nl = text.find('\n');
+      const long long t = nl == std::string::npos ? -1 : std::atoll(text.substr(0, nl).c_str());
+      if (t >= 0 && (first < 0 || t < first)) {
+        first = t;
+        failed = r;
+        err = text.substr(nl + 1);
+      }
+    }
+    std::fprintf(stderr, "dhp: rank %lld failed (%s)%s%s; stopped the other workers\n", static_cast<long long>(failed),
+                 describe_status(statuses[failed]).c_str(), err.empty() ? "" : ": ", err.c_str());
+    rc = 1;
+  } else if (g_stop_signal) {
+    rc = 128 + g_stop_signal;
+  }
+  std::error_code ec;
+  fs::remove_all(errdir, ec);
+  return rc;
+}
+
+}  // namespace dhp::launch

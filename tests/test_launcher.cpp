@@ -1,0 +1,106 @@
+// `dhp train` as a multi-process job: --nproc 2 trains like --nproc 1 (losses within 1e-5
+// relative), a rank that throws makes the whole job exit non-zero within the test's timeout
+// naming that rank and its error, impossible layouts are refused before any worker starts,
+// and the binary runs as one rank under a torchrun-style environment.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int rc = -1;
+  std::string output;
+};
+
+// Runs a shell command line with a hard 120 s limit; stdout and stderr together.
+Result sh(const std::string& cmd) {
+  const fs::path out = fs::temp_directory_path() / ("dhp-launcher-test-" + std::to_string(::getpid()) + ".log");
+  const int status = std::system(("timeout 120 bash -c '" + cmd + "' > " + out.string() + " 2>&1").c_str());
+  Result r;
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream f(out);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  r.output = ss.str();
+  fs::remove(out);
+  return r;
+}
+
+const std::string kTiny =
+    " --set training.steps=3 --set data.batch_size=4 --set data.min_side=56 --set data.max_side=112"
+    " --set data.eval_samples=0 --set parallel.timeout_s=30";
+
+std::vector<double> losses(const fs::path& dir) {
+  std::vector<double> out;
+  std::ifstream f(dir / "metrics.jsonl");
+  std::string line;
+  while (std::getline(f, line)) {
+    const auto p = line.find("\"loss\": ");
+    if (p != std::string::npos) out.push_back(std::stod(line.substr(p + 8)));
+  }
+  return out;
+}
+
+fs::path tmpdir(const std::string& name) {
+  auto d = fs::temp_directory_path() / ("dhp-launcher-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(d);
+  return d;
+}
+
+TEST(Launcher, TwoProcessesTrainLikeOne) {
+  const auto one = tmpdir("one"), two = tmpdir("two");
+  auto a = sh(std::string(DHP_BINARY) + " train" + kTiny + " --out " + one.string());
+  ASSERT_EQ(a.rc, 0) << a.output;
+  for (const char* strategy : {"dhp", "tp", "zero3"}) {
+    auto b = sh(std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=" + strategy + kTiny +
+                " --out " + two.string());
+    ASSERT_EQ(b.rc, 0) << b.output;
+    EXPECT_NE(b.output.find("starting 2 workers"), std::string::npos) << b.output;
+    auto la = losses(one), lb = losses(two);
+    ASSERT_EQ(la.size(), 3u);
+    ASSERT_EQ(lb.size(), 3u) << strategy;
+    for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(lb[i], la[i], 1e-5 * la[i]) << strategy << " step " << i + 1;
+  }
+  fs::remove_all(one);
+  fs::remove_all(two);
+}
+
+TEST(Launcher, AFailingRankStopsTheJobAndIsNamed) {
+  const auto dir = tmpdir("fail");
+  auto r = sh("DHP_TEST_FAIL_AT=1:2 " + std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dhp" +
+              kTiny + " --out " + dir.string());
+  EXPECT_NE(r.rc, 0) << r.output;
+  EXPECT_NE(r.rc, 124) << "the job hung until the test's timeout:\n" << r.output;
+  EXPECT_NE(r.output.find("rank 1 failed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("injected failure on rank 1 at step 2"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, ImpossibleLayoutIsRefusedBeforeWorkersStart) {
+  auto r = sh(std::string(DHP_BINARY) + " train --nproc 3 --set parallel.strategy=tp" + kTiny);
+  EXPECT_EQ(r.rc, 1) << r.output;
+  EXPECT_NE(r.output.find("tp=3 does not divide vision num_heads=4"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("starting"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, RunsAsOneRankOfATorchrunStyleJob) {
+  const auto dir = tmpdir("env");
+  const std::string port = std::to_string(20000 + ::getpid() % 20000);
+  const std::string cmd = std::string(DHP_BINARY) + " train --set parallel.strategy=dp" + kTiny + " --out " + dir.string();
+  auto r = sh("export WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port + "; RANK=1 " + cmd + " & RANK=0 " + cmd +
+              "; a=$?; wait $!; b=$?; exit $((a + b))");
+  EXPECT_EQ(r.rc, 0) << r.output;
+  EXPECT_EQ(losses(dir).size(), 3u) << r.output;  // rank 0 wrote the run
+  fs::remove_all(dir);
+}
+
+}  // namespace
