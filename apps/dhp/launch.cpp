@@ -109,6 +109,7 @@ std::optional<WorkerEnv> worker_env() {
 void report_worker_error(const std::string& message) {
   const char* path = std::getenv("DHP_ERROR_FILE");
   if (!path || !*path) return;
+  if (std::filesystem::exists(path)) return;  // the first error is the cause
   const auto us = std::chrono::duration_cast<std::chrono::microseconds>(
                       std::chrono::system_clock::now().time_since_epoch()).count();
   std::ofstream f(path);
@@ -170,9 +171,12 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
         --alive;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         statuses[r] = status;
-        if (!ok && !stopping) {
+        // A worker that exits with an error failed by itself (also after the stop began: its
+        // error may be the cause, see below); one killed by a signal failed unless we sent it.
+        const bool errored = WIFEXITED(status) && WEXITSTATUS(status) != 0;
+        if (errored || (!ok && !stopping)) {
           bad[r] = true;
-          failed = r;
+          if (failed < 0) failed = r;
         }
       }
       continue;
@@ -195,8 +199,8 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
     // first error written is the cause.
     std::string err;
     long long first = -1;
+    // Any rank that recorded an error counts, even one we stopped while it was exiting.
     for (int64_t r = 0; r < nproc; ++r) {
-      if (!bad[r]) continue;
       const std::string text = read_file(errdir / ("rank" + std::to_string(r)));
       const auto nl = text.find('\n');
       const long long t = nl == std::string::npos ? -1 : std::atoll(text.substr(0, nl).c_str());

@@ -7,6 +7,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -132,8 +133,16 @@ int cmd_train(int argc, char** argv, int first) {
           env->master_addr, env->master_port, rt.world, rt.rank == 0, rt.timeout));
     }
   }
-  dhp::train::Trainer trainer(cfg, rt);
-  trainer.run();
+  // The trainer (and its connections) outlives the handler, so a failing rank records its
+  // error before the others see their connections close and fail in turn.
+  std::unique_ptr<dhp::train::Trainer> trainer;
+  try {
+    trainer = std::make_unique<dhp::train::Trainer>(cfg, rt);
+    trainer->run();
+  } catch (const std::exception& e) {
+    dhp::launch::report_worker_error(e.what());
+    throw;
+  }
   return 0;
 }
 
