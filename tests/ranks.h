@@ -38,6 +38,7 @@ constexpr std::chrono::milliseconds kTestTimeout{20000};
 }  // namespace dhp::testing
 
 #include "dhp/data/shapes.h"
+#include "dhp/dist/layout.h"
 
 namespace dhp::testing {
 
@@ -51,6 +52,19 @@ inline std::vector<data::Sample> shapes_samples(const qwen::ModelConfig& cfg, in
   std::vector<data::Sample> out;
   for (int i = 0; i < n; ++i) out.push_back(ds.get(i));
   return out;
+}
+
+// A module layout from its fields (not validated).
+inline dist::ModuleLayout module_layout(dist::ModuleKind kind, std::string strategy, std::vector<int64_t> ranks,
+                                        int64_t dp, int64_t sp, int64_t tp) {
+  dist::ModuleLayout l;
+  l.kind = kind;
+  l.strategy = std::move(strategy);
+  l.ranks = std::move(ranks);
+  l.dp = dp;
+  l.sp = sp;
+  l.tp = tp;
+  return l;
 }
 
 // members 0..n-1.

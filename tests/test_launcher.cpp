@@ -74,6 +74,40 @@ TEST(Launcher, TwoProcessesTrainLikeOne) {
   fs::remove_all(two);
 }
 
+// Disjoint placement as processes: vision alone on rank 0, text tp=2 on ranks 1-2, two
+// micro-batches pipelined; rank 0 (vision only) still writes the run with the job's loss,
+// and the per-rank idle times are recorded.
+TEST(Launcher, DisjointPlacementTrainsLikeOneProcess) {
+  const auto one = tmpdir("one-mb"), three = tmpdir("three");
+  const std::string mb = " --set training.micro_batches=2";
+  auto a = sh(std::string(DHP_BINARY) + " train" + kTiny + mb + " --out " + one.string());
+  ASSERT_EQ(a.rc, 0) << a.output;
+  auto b = sh(std::string(DHP_BINARY) + " train --nproc 3 --set parallel.strategy=custom" +
+              " --set parallel.vision.strategy=none --set parallel.vision.ranks=[0]" +
+              " --set parallel.text.strategy=tp --set parallel.text.ranks=[1,2]" + kTiny + mb + " --out " +
+              three.string());
+  ASSERT_EQ(b.rc, 0) << b.output;
+  auto la = losses(one), lb = losses(three);
+  ASSERT_EQ(la.size(), 3u);
+  ASSERT_EQ(lb.size(), 3u) << b.output;
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(lb[i], la[i], 1e-5 * la[i]) << "step " << i + 1;
+  std::ifstream f(three / "metrics.jsonl");
+  std::string line;
+  std::getline(f, line);
+  EXPECT_NE(line.find("\"idle_s_per_rank\": ["), std::string::npos) << line;
+  fs::remove_all(one);
+  fs::remove_all(three);
+}
+
+TEST(Launcher, PrintScheduleShowsEachRanksActions) {
+  auto r = sh(std::string(DHP_BINARY) + " train --nproc 4 --print-schedule --set parallel.strategy=dhp" +
+              " --set parallel.vision.ranks=[0,1] --set parallel.text.ranks=[2,3] --set training.micro_batches=2");
+  EXPECT_EQ(r.rc, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 0 [vision]: VF0 SA0 VF1 SA1 RG0 VB0 RG1 VB1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 3 [text]: RA0 TFB0 SG0 RA1 TFB1 SG1"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("starting"), std::string::npos) << "no worker starts:\n" << r.output;
+}
+
 TEST(Launcher, AFailingRankStopsTheJobAndIsNamed) {
   const auto dir = tmpdir("fail");
   auto r = sh("DHP_TEST_FAIL_AT=1:2 " + std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dhp" +

@@ -3,6 +3,7 @@
 
 #include "dhp/core/error.h"
 #include "dhp/dist/layout.h"
+#include "ranks.h"
 
 namespace {
 
@@ -11,14 +12,7 @@ using dhp::dist::ModuleLayout;
 
 ModuleLayout layout(ModuleKind k, std::string strategy, std::vector<int64_t> ranks, int64_t dp, int64_t sp,
                     int64_t tp) {
-  ModuleLayout l;
-  l.kind = k;
-  l.strategy = std::move(strategy);
-  l.ranks = std::move(ranks);
-  l.dp = dp;
-  l.sp = sp;
-  l.tp = tp;
-  return l;
+  return dhp::testing::module_layout(k, std::move(strategy), std::move(ranks), dp, sp, tp);
 }
 
 std::string error_of(const ModuleLayout& l, const dhp::qwen::ModelConfig& m, int64_t world) {

@@ -34,6 +34,20 @@ struct Case {
   int64_t world;
   std::vector<std::string> sets;  // parallel.* keys
 };
+// Test logs name the case instead of dumping its bytes.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+std::vector<std::string> with(std::vector<std::string> sets, const std::string& extra) {
+  sets.push_back(extra);
+  return sets;
+}
+
+// Vision on rank 0 alone, text tp=2 on ranks 1-2; vision sp=2 on 0-1, text tp=2 on 2-3.
+const std::vector<std::string> kVisionOneTextTp2 = {
+    "parallel.strategy=custom", "parallel.vision.strategy=none", "parallel.vision.ranks=[0]",
+    "parallel.text.strategy=tp", "parallel.text.ranks=[1,2]", "training.micro_batches=4"};
+const std::vector<std::string> kSp2TextTp2Disjoint = {"parallel.strategy=dhp", "parallel.vision.ranks=[0,1]",
+                                                      "parallel.text.ranks=[2,3]", "training.micro_batches=4"};
 
 // Named combinations and custom pairs. Degrees left out are derived (see resolve_layouts).
 const std::vector<Case> kCases = {
@@ -67,6 +81,19 @@ const std::vector<Case> kCases = {
     {"zero3_tp4_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=tp"}},
     {"sp4_dp_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=dp"}},
     {"tp4_zero3_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=zero3"}},
+    // Placement: unequal group sizes, disjoint and overlapping rank sets, 4 micro-batches.
+    {"sp2_tp2x2_overlap_mb4_4", 4, {"parallel.strategy=dhp", "parallel.vision.ranks=[0,1]", "parallel.text.tp=2",
+                                    "training.micro_batches=4"}},
+    {"v1_tp2_disjoint_3", 3, kVisionOneTextTp2},
+    {"v1_tp2_disjoint_seq_3", 3, with(kVisionOneTextTp2, "parallel.pipeline=false")},
+    {"sp2_tp2_disjoint_4", 4, kSp2TextTp2Disjoint},
+    {"sp2_tp2_disjoint_seq_4", 4, with(kSp2TextTp2Disjoint, "parallel.pipeline=false")},
+    {"v1_dp3_disjoint_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=none", "parallel.vision.ranks=[0]",
+                              "parallel.text.strategy=dp", "parallel.text.ranks=[1,2,3]"}},
+    {"sp4_tp2_overlap_4", 4, {"parallel.strategy=dhp", "parallel.text.ranks=[2,3]"}},
+    {"zero3_v2_tp2_disjoint_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=zero3",
+                                    "parallel.vision.ranks=[2,3]", "parallel.text.strategy=tp",
+                                    "parallel.text.ranks=[0,1]", "training.micro_batches=4"}},
 };
 
 constexpr int kSteps = 3;
@@ -160,6 +187,20 @@ TEST_P(StrategyParity, LossesAndParametersEqualSingleProcess) {
 INSTANTIATE_TEST_SUITE_P(Matrix, StrategyParity, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The pipelined and the sequential schedule compute the same thing, bit for bit: each
+// module runs the same micro-batches with the same collectives in the same order.
+TEST(StrategySchedules, PipelinedEqualsSequentialExactly) {
+  for (const auto& sets : {kVisionOneTextTp2, kSp2TextTp2Disjoint}) {
+    const int64_t world = sets == kVisionOneTextTp2 ? 3 : 4;
+    const auto piped = train_parallel({"piped", world, sets}, {});
+    const auto seq = train_parallel({"seq", world, with(sets, "parallel.pipeline=false")}, {});
+    ASSERT_EQ(piped.losses.size(), seq.losses.size());
+    for (size_t i = 0; i < piped.losses.size(); ++i) EXPECT_EQ(piped.losses[i], seq.losses[i]) << "step " << i + 1;
+    ASSERT_EQ(piped.params.size(), seq.params.size());
+    for (const auto& [name, p] : piped.params) EXPECT_TRUE(torch::equal(p, seq.params.at(name))) << name;
+  }
+}
+
 TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {
   auto expect_error = [](const std::vector<std::string>& sets, int64_t world, const std::string& part) {
     try {
@@ -176,6 +217,13 @@ TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {
   expect_error({"parallel.strategy=dp"}, 8, "replicas need at least 8 samples per micro-batch");
   expect_error({"parallel.strategy=dhp", "data.batch_size=4"}, 4, "needs at least one attention window per rank");
   expect_error({"parallel.strategy=custom", "parallel.vision.strategy=dp"}, 2, "parallel.vision.strategy and parallel.text.strategy");
+  expect_error({"parallel.strategy=dhp", "parallel.vision.ranks=[0]", "parallel.text.ranks=[1]"}, 3,
+               "rank 2 of the 3 runs no module");
+  expect_error({"parallel.strategy=dhp", "parallel.vision.ranks=[0,4]"}, 4, "vision rank 4 is outside the world of 4");
+  expect_error({"parallel.strategy=dhp", "parallel.vision.ranks=[0]", "parallel.text.ranks=[0,1,2]"}, 3,
+               "text tp=3 does not divide text num_heads=8");
+  expect_error({"parallel.strategy=custom", "parallel.vision.strategy=none", "parallel.vision.ranks=[0,1]",
+                "parallel.text.strategy=tp"}, 2, "parallel.vision.strategy=none runs on one process, but the module has the 2 ranks of parallel.vision.ranks");
 }
 
 }  // namespace

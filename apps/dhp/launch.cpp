@@ -66,36 +66,35 @@ std::string read_file(const std::filesystem::path& p) {
 }  // namespace
 
 std::optional<WorkerEnv> worker_env() {
+  // Each launcher's variables: rank, world size, local rank, local world size.
+  struct Names {
+    const char *rank, *world, *local_rank, *local_world, *launcher;
+  };
+  static const Names kLaunchers[] = {
+      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "torchrun"},
+      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "srun"},
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+       "mpirun"},
+      {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "mpirun"},
+  };
   WorkerEnv e;
-  if (auto r = env_int("RANK")) {
-    e.rank = *r;
-    auto w = env_int("WORLD_SIZE");
-    DHP_CHECK(w, "RANK is set but WORLD_SIZE is not");
-    e.world = *w;
-    e.local_rank = env_int("LOCAL_RANK").value_or(e.rank);
-    e.local_world = env_int("LOCAL_WORLD_SIZE").value_or(e.world);
-    e.launcher = std::getenv("DHP_LAUNCHED") ? "dhp" : "torchrun";
-  } else if (auto r = env_int("SLURM_PROCID")) {
-    e.rank = *r;
-    e.world = env_int("SLURM_NTASKS").value_or(1);
-    e.local_rank = env_int("SLURM_LOCALID").value_or(0);
-    e.local_world = env_int("SLURM_NTASKS_PER_NODE").value_or(e.world);
-    e.launcher = "srun";
-  } else if (auto r = env_int("OMPI_COMM_WORLD_RANK")) {
-    e.rank = *r;
-    e.world = env_int("OMPI_COMM_WORLD_SIZE").value_or(1);
-    e.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(0);
-    e.local_world = env_int("OMPI_COMM_WORLD_LOCAL_SIZE").value_or(e.world);
-    e.launcher = "mpirun";
-  } else if (auto r = env_int("PMI_RANK")) {
-    e.rank = *r;
-    e.world = env_int("PMI_SIZE").value_or(1);
-    e.local_rank = env_int("MPI_LOCALRANKID").value_or(0);
-    e.local_world = env_int("MPI_LOCALNRANKS").value_or(e.world);
-    e.launcher = "mpirun";
-  } else {
-    return std::nullopt;
+  const Names* found = nullptr;
+  for (const auto& n : kLaunchers) {
+    if (auto r = env_int(n.rank)) {
+      found = &n;
+      e.rank = *r;
+      break;
+    }
   }
+  if (!found) return std::nullopt;
+  const bool torchrun = found == &kLaunchers[0];
+  auto w = env_int(found->world);
+  DHP_CHECK(w || !torchrun, "RANK is set but WORLD_SIZE is not");
+  e.world = w.value_or(1);
+  // torchrun's local rank defaults to the rank (one machine); the others' to 0.
+  e.local_rank = env_int(found->local_rank).value_or(torchrun ? e.rank : 0);
+  e.local_world = env_int(found->local_world).value_or(e.world);
+  e.launcher = torchrun && std::getenv("DHP_LAUNCHED") ? "dhp" : found->launcher;
   DHP_CHECK(e.world >= 1 && e.rank >= 0 && e.rank < e.world, "rank ", e.rank, " is outside a world of ", e.world,
             " (from the ", e.launcher, " environment)");
   if (const char* a = std::getenv("MASTER_ADDR"); a && *a) e.master_addr = a;
@@ -154,7 +153,7 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
 
   int64_t alive = nproc, failed = -1;
   std::vector<int> statuses(static_cast<size_t>(nproc), 0);
-  std::vector<bool> done(static_cast<size_t>(nproc), false), bad(static_cast<size_t>(nproc), false);
+  std::vector<bool> done(static_cast<size_t>(nproc), false);
   auto stop_all = [&](int sig) {
     for (int64_t r = 0; r < nproc; ++r)
       if (!done[r]) ::kill(pids[r], sig);
@@ -174,10 +173,7 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
         // A worker that exits with an error failed by itself (also after the stop began: its
         // error may be the cause, see below); one killed by a signal failed unless we sent it.
         const bool errored = WIFEXITED(status) && WEXITSTATUS(status) != 0;
-        if (errored || (!ok && !stopping)) {
-          bad[r] = true;
-          if (failed < 0) failed = r;
-        }
+        if ((errored || (!ok && !stopping)) && failed < 0) failed = r;
       }
       continue;
     }

@@ -15,6 +15,7 @@
 #include "dhp/core/memory.h"
 #include "dhp/train/config.h"
 #include "dhp/train/trainer.h"
+#include "bench.h"
 #include "launch.h"
 
 namespace {
@@ -27,6 +28,7 @@ commands:
   train     train a model (default: the demo model on the built-in shapes task)
   params    print the parameter count of a config or of every preset
   config    print the resolved config with every key, its default and its meaning
+  bench     measure strategies / placements side by side (step time, memory, comm, idle)
   help      this text; 'dhp <command> --help' for a command's options
 
 With no command, 'dhp' runs 'dhp train'.
@@ -43,7 +45,43 @@ struct Args {
   std::string out;
   bool help = false;
   bool all = false;
+  bool print_schedule = false;
   int64_t nproc = 1;
+};
+
+// Walks the flags of argv from `first`: "--flag VALUE" or "--flag=VALUE" (split at the
+// first '=', so "--set=a.b=1" works too).
+class Flags {
+ public:
+  Flags(int argc, char** argv, int first) : argc_(argc), argv_(argv), i_(first - 1) {}
+  // Advances to the next flag; false at the end.
+  bool next() {
+    if (++i_ >= argc_) return false;
+    flag_ = argv_[i_];
+    has_value_ = false;
+    const auto eq = flag_.find('=');
+    if (flag_.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value_ = flag_.substr(eq + 1);
+      flag_ = flag_.substr(0, eq);
+      has_value_ = true;
+    }
+    return true;
+  }
+  const std::string& flag() const { return flag_; }
+  const char* raw() const { return argv_[i_]; }
+  // The flag's value; throws naming the flag when there is none.
+  std::string value() {
+    if (has_value_) return value_;
+    DHP_CHECK(i_ + 1 < argc_, flag_, " needs a value");
+    return argv_[++i_];
+  }
+
+ private:
+  int argc_;
+  char** argv_;
+  int i_;
+  std::string flag_, value_;
+  bool has_value_ = false;
 };
 
 // Parses the flags shared by the subcommands; throws dhp::Error on an unknown flag.
@@ -53,24 +91,14 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& all
     for (const auto& x : allowed) if (x == f) return true;
     return false;
   };
-  for (int i = first; i < argc; ++i) {
-    std::string f = argv[i];
-    std::string value;
-    bool has_value = false;
-    if (f.rfind("--", 0) == 0 && f.find('=') != std::string::npos && f.rfind("--set", 0) != 0) {
-      value = f.substr(f.find('=') + 1);
-      f = f.substr(0, f.find('='));
-      has_value = true;
-    }
-    auto next = [&]() -> std::string {
-      if (has_value) return value;
-      DHP_CHECK(i + 1 < argc, f, " needs a value");
-      return argv[++i];
-    };
+  Flags flags(argc, argv, first);
+  while (flags.next()) {
+    const std::string& f = flags.flag();
+    auto next = [&] { return flags.value(); };
     if (f == "-h" || f == "--help") {
       a.help = true;
     } else if (!ok(f)) {
-      DHP_FAIL("unknown option '", argv[i], "' (see --help)");
+      DHP_FAIL("unknown option '", flags.raw(), "' (see --help)");
     } else if (f == "--config") {
       a.config = next();
     } else if (f == "--set") {
@@ -79,6 +107,8 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& all
       a.out = next();
     } else if (f == "--all") {
       a.all = true;
+    } else if (f == "--print-schedule") {
+      a.print_schedule = true;
     } else if (f == "--nproc") {
       const std::string v = next();
       try {
@@ -92,10 +122,10 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& all
 }
 
 int cmd_train(int argc, char** argv, int first) {
-  auto a = parse(argc, argv, first, {"--config", "--set", "--out", "--nproc"});
+  auto a = parse(argc, argv, first, {"--config", "--set", "--out", "--nproc", "--print-schedule"});
   if (a.help) {
     std::printf(
-        "usage: dhp train [--config FILE] [--set KEY=VALUE]... [--out DIR]\n\n"
+        "usage: dhp train [--config FILE] [--set KEY=VALUE]... [--out DIR] [--nproc N] [--print-schedule]\n\n"
         "Trains the configured model (default: the demo preset on the built-in shapes task),\n"
         "showing step, loss, tokens/s, ETA and peak memory, then evaluates held-out answers.\n"
         "Writes DIR/metrics.jsonl (one JSON object per step: step, loss, lr, grad_norm,\n"
@@ -103,7 +133,10 @@ int cmd_train(int argc, char** argv, int first) {
         "DIR/summary.json (first/final loss, held-out exact-match accuracy).\n\n"
         "options:\n%s  --out DIR         run directory (default: output.dir = runs/demo)\n"
         "  --nproc N         start N local worker processes (ranks 0..N-1, rendezvous on a free\n"
-        "                    port of 127.0.0.1) and supervise them; one failing stops all\n\n"
+        "                    port of 127.0.0.1) and supervise them; one failing stops all\n"
+        "  --print-schedule  print each rank's layout and the actions of one step (VF vision\n"
+        "                    forward, SA/RA send/receive embeddings, TFB text forward+backward,\n"
+        "                    SG/RG send/receive their gradients, VB vision backward) and exit\n\n"
         "Started by torchrun (--no-python), srun or mpirun, dhp reads RANK/WORLD_SIZE (or\n"
         "SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/SIZE) and MASTER_ADDR/MASTER_PORT\n"
         "and runs as one rank of that job. parallel.strategy chooses the layout (dhp, tp,\n"
@@ -114,6 +147,22 @@ int cmd_train(int argc, char** argv, int first) {
   if (!a.out.empty()) a.sets.push_back("output.dir=" + a.out);
   auto cfg = dhp::load_config(a.config, a.sets);
   const auto env = dhp::launch::worker_env();
+  if (a.print_schedule) {
+    const int64_t world = env ? env->world : a.nproc;
+    const auto layouts = dhp::train::resolve_layouts(cfg, world);
+    std::printf("%lld rank(s): %s; %lld micro-batch(es) per step, %s\n", static_cast<long long>(world),
+                dhp::train::describe(layouts).c_str(), static_cast<long long>(cfg.training.micro_batches),
+                cfg.parallel.pipeline && dhp::train::disjoint(layouts.vision, layouts.text) ? "pipelined"
+                                                                                           : "sequential");
+    for (int64_t r = 0; r < world; ++r) {
+      const bool v = layouts.vision.module_rank(r) >= 0, t = layouts.text.module_rank(r) >= 0;
+      std::printf("rank %lld [%s]: %s\n", static_cast<long long>(r), v && t ? "vision+text" : v ? "vision" : "text",
+                  dhp::train::to_string(dhp::train::make_schedule(layouts.vision, layouts.text, r,
+                                                                  cfg.training.micro_batches, cfg.parallel.pipeline))
+                      .c_str());
+    }
+    return 0;
+  }
   if (!env) {
     DHP_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
     dhp::train::resolve_layouts(cfg, a.nproc);  // refuse an impossible layout before any worker starts
@@ -144,6 +193,83 @@ int cmd_train(int argc, char** argv, int first) {
     throw;
   }
   return 0;
+}
+
+int64_t parse_int(const std::string& flag, const std::string& v) {
+  try {
+    size_t used = 0;
+    const long long x = std::stoll(v, &used);
+    if (used == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  DHP_FAIL(flag, " expects an integer, got '", v, "'");
+}
+
+int cmd_bench(int argc, char** argv, int first) {
+  dhp::bench::Options o;
+  std::string strategies = "dhp,tp,zero3";
+  std::vector<std::string> points;
+  bool strategies_given = false;
+  Flags flags(argc, argv, first);
+  while (flags.next()) {
+    const std::string& f = flags.flag();
+    auto next = [&] { return flags.value(); };
+    if (f == "-h" || f == "--help") {
+      std::printf(
+          "usage: dhp bench [--config FILE] [--set KEY=VALUE]... [--strategies LIST] [--point NAME:K=V;K=V]...\n"
+          "                 [--image-sides LIST] [--nproc N] [--steps N] [--warmup N] [--out DIR]\n\n"
+          "Runs every point at every image size as its own 'dhp train --nproc N' job and prints, in one\n"
+          "run, the mean step time (after the warm-up steps), vision patches/s, the peak tensor memory\n"
+          "of each rank, each rank's time in communication per step, and the idle fraction of the\n"
+          "vision and the text ranks (time blocked on the other module). A point that fails is\n"
+          "recorded with its error and the sweep goes on. Writes DIR/results.json and each point's\n"
+          "run directory (metrics.jsonl, log.txt) under DIR.\n\noptions:\n%s"
+          "  --strategies LIST  named strategies, each a point parallel.strategy=NAME\n"
+          "                     (default dhp,tp,zero3; '' for none)\n"
+          "  --point NAME:SETS  a custom point: config keys separated by ';', e.g.\n"
+          "                     'seq:parallel.strategy=dhp;parallel.vision.ranks=[0,1];parallel.pipeline=false'\n"
+          "  --image-sides LIST square image sides in pixels, multiples of 28 (default 112,224)\n"
+          "  --nproc N          worker processes per point (default 2)\n"
+          "  --steps N          training steps per point (default 6)\n"
+          "  --warmup N         first steps left out of the averages (default 2)\n"
+          "  --out DIR          output directory (default runs/bench)\n",
+          kConfigFlags);
+      return 0;
+    } else if (f == "--config") {
+      o.config = next();
+    } else if (f == "--set") {
+      o.sets.push_back(next());
+    } else if (f == "--strategies") {
+      strategies = next();
+      strategies_given = true;
+    } else if (f == "--point") {
+      points.push_back(next());
+    } else if (f == "--image-sides") {
+      o.image_sides.clear();
+      std::string v = next(), cur;
+      for (char c : v + ",") {
+        if (c == ',') {
+          if (!cur.empty()) o.image_sides.push_back(parse_int("--image-sides", cur));
+          cur.clear();
+        } else {
+          cur += c;
+        }
+      }
+    } else if (f == "--nproc") {
+      o.nproc = parse_int(f, next());
+    } else if (f == "--steps") {
+      o.steps = parse_int(f, next());
+    } else if (f == "--warmup") {
+      o.warmup = parse_int(f, next());
+    } else if (f == "--out") {
+      o.out = next();
+    } else {
+      DHP_FAIL("unknown option '", flags.raw(), "' (see dhp bench --help)");
+    }
+  }
+  if (!points.empty() && !strategies_given) strategies.clear();
+  o.points = dhp::bench::parse_points(strategies, points);
+  return dhp::bench::run(o);
 }
 
 void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {
@@ -205,7 +331,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const std::map<std::string, std::function<int(int, char**, int)>> cmds = {
-        {"train", cmd_train}, {"params", cmd_params}, {"config", cmd_config}};
+        {"train", cmd_train}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench}};
     auto it = cmds.find(cmd);
     if (it == cmds.end()) {
       std::fprintf(stderr, "dhp: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);

@@ -6,7 +6,15 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
+// A CUDA libtorch defines USE_C10D_NCCL on its targets; the CPU build never sees NCCL.
+#if defined(USE_C10D_NCCL) && !defined(DHP_NO_NCCL)
+#define DHP_WITH_NCCL 1
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
 #include <algorithm>
+#include <functional>
+#include <mutex>
 
 #include "dhp/core/error.h"
 
@@ -17,7 +25,22 @@ struct Store::Impl {
 };
 
 struct Group::Impl {
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+#ifdef DHP_WITH_NCCL
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
+#endif
+  std::chrono::milliseconds timeout{0};
+  std::mutex mu;                              // guards pending (copies of a Group share it)
+  std::vector<std::function<void()>> pending;  // waits of queued sends
+
+  // Runs f on the backend's process group (the same c10d calls exist on both).
+  template <class F>
+  auto with_pg(F&& f) {
+#ifdef DHP_WITH_NCCL
+    if (nccl) return f(*nccl);
+#endif
+    return f(*gloo);
+  }
 };
 
 namespace {
@@ -29,6 +52,7 @@ struct CommTimer {
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   int64_t bytes;
   explicit CommTimer(const torch::Tensor& t) : bytes(t.numel() * static_cast<int64_t>(t.element_size())) {}
+  explicit CommTimer(int64_t b) : bytes(b) {}
   ~CommTimer() {
     tls_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tls_stats.calls += 1;
@@ -39,6 +63,16 @@ struct CommTimer {
 }  // namespace
 
 CommStats comm_stats() { return tls_stats; }
+
+bool nccl_available() {
+#ifdef DHP_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+Backend backend_for(const torch::Device& device) { return device.is_cuda() ? Backend::kNccl : Backend::kGloo; }
 
 Store make_hash_store() {
   return Store(std::make_shared<Store::Impl>(Store::Impl{c10::make_intrusive<c10d::HashStore>()}));
@@ -57,22 +91,35 @@ Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool
 Group::Group() = default;
 
 Group::Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
-             std::chrono::milliseconds timeout)
+             std::chrono::milliseconds timeout, Backend backend)
     : ranks_(std::move(ranks)), name_(name) {
   auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
   DHP_CHECK(it != ranks_.end(), "group '", name, "': rank ", global_rank, " is not a member");
   rank_ = static_cast<int64_t>(it - ranks_.begin());
   if (ranks_.size() == 1) return;
-  auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  opts->threads = 1;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dhp/" + name, store.impl()->store);
   impl_ = std::make_shared<Impl>();
-  impl_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(rank_),
-                                                          static_cast<int>(size()), opts);
+  impl_->timeout = timeout;
+  if (backend == Backend::kNccl) {
+#ifdef DHP_WITH_NCCL
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout;
+    impl_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, static_cast<int>(rank_),
+                                                              static_cast<int>(size()), opts);
+#else
+    DHP_FAIL("group '", name, "': NCCL was asked for (CUDA tensors) but this dhp was built against a libtorch ",
+             "without NCCL; rebuild against a CUDA libtorch");
+#endif
+  } else {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    opts->threads = 1;
+    impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(rank_),
+                                                              static_cast<int>(size()), opts);
+  }
   // Every member is connected before any returns, so none can close its side of a pair
   // while another is still connecting.
-  impl_->pg->barrier()->wait();
+  barrier();
 }
 
 void Group::all_reduce_sum_(torch::Tensor& t) const {
@@ -80,7 +127,7 @@ void Group::all_reduce_sum_(torch::Tensor& t) const {
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
   CommTimer timer(t);
   std::vector<torch::Tensor> v{t};
-  impl_->pg->allreduce(v)->wait();
+  impl_->with_pg([&](auto& pg) { pg.allreduce(v)->wait(); });
 }
 
 void Group::all_reduce_max_(torch::Tensor& t) const {
@@ -90,7 +137,7 @@ void Group::all_reduce_max_(torch::Tensor& t) const {
   std::vector<torch::Tensor> v{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
-  impl_->pg->allreduce(v, o)->wait();
+  impl_->with_pg([&](auto& pg) { pg.allreduce(v, o)->wait(); });
 }
 
 torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {
@@ -100,7 +147,7 @@ torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {
   std::vector<torch::Tensor> inputs{in};
   std::vector<std::vector<torch::Tensor>> outputs(1);
   for (int64_t i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(in));
-  impl_->pg->allgather(outputs, inputs)->wait();
+  impl_->with_pg([&](auto& pg) { pg.allgather(outputs, inputs)->wait(); });
   return torch::cat(outputs[0], dim);
 }
 
@@ -118,13 +165,46 @@ torch::Tensor Group::all_to_all(const torch::Tensor& t, const std::vector<int64_
   auto out = torch::empty(shape, in.options());
   CommTimer timer(in);
   auto send = send_rows, recv = recv_rows;
-  impl_->pg->alltoall_base(out, in, recv, send)->wait();
+  impl_->with_pg([&](auto& pg) { pg.alltoall_base(out, in, recv, send)->wait(); });
   return out;
 }
 
 void Group::barrier() const {
   if (!impl_) return;
-  impl_->pg->barrier()->wait();
+  impl_->with_pg([&](auto& pg) { pg.barrier()->wait(); });
+}
+
+void Group::send(const torch::Tensor& t, int64_t dst, int64_t tag) const {
+  DHP_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on group '", name_, "': bad destination member ", dst,
+            " (this is member ", rank_, " of ", size(), ")");
+  DHP_CHECK(t.is_contiguous(), "send on group '", name_, "': the tensor must be contiguous");
+  CommTimer timer(t);
+  auto keep = std::make_shared<std::vector<torch::Tensor>>(1, t);
+  auto work = impl_->with_pg([&](auto& pg) { return pg.send(*keep, static_cast<int>(dst), static_cast<int>(tag)); });
+  const auto timeout = impl_->timeout;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->pending.push_back([work, keep, timeout] { work->wait(timeout); });
+}
+
+void Group::recv(torch::Tensor& t, int64_t src, int64_t tag) const {
+  DHP_CHECK(src >= 0 && src < size() && src != rank_, "recv on group '", name_, "': bad source member ", src,
+            " (this is member ", rank_, " of ", size(), ")");
+  DHP_CHECK(t.is_contiguous(), "recv on group '", name_, "': the tensor must be contiguous");
+  CommTimer timer(t);
+  std::vector<torch::Tensor> v{t};
+  auto work = impl_->with_pg([&](auto& pg) { return pg.recv(v, static_cast<int>(src), static_cast<int>(tag)); });
+  work->wait(impl_->timeout);
+}
+
+void Group::wait_sends() const {
+  if (!impl_) return;
+  std::vector<std::function<void()>> pending;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    pending.swap(impl_->pending);
+  }
+  CommTimer timer(int64_t{0});
+  for (auto& w : pending) w();
 }
 
 }  // namespace dhp::dist

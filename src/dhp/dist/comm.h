@@ -1,6 +1,7 @@
 // Communication: stores for rendezvous and Group, a communicator over a subset of the
-// job's global ranks. The only place that touches c10d (Gloo on CPU); the header is free
-// of c10d types so that version-specific calls stay in comm.cpp.
+// job's global ranks. The only place that touches c10d: Gloo for CPU tensors, NCCL for
+// CUDA tensors when built against a CUDA libtorch (DHP_WITH_NCCL, see CMakeLists.txt); the
+// header is free of c10d types so that version-specific calls stay in comm.cpp.
 //
 // Contract: every collective is blocking and must be called by all members of the group,
 // in the same order. A Group of one (the default) makes every collective a local no-op.
@@ -43,6 +44,14 @@ struct CommStats {
 };
 CommStats comm_stats();
 
+// Which c10d backend a Group runs on: Gloo (CPU tensors) or NCCL (CUDA tensors; only in a
+// build with DHP_WITH_NCCL, otherwise asking for it throws).
+enum class Backend { kGloo, kNccl };
+// The backend for tensors on `device`: NCCL for CUDA, Gloo otherwise.
+Backend backend_for(const torch::Device& device);
+// True when this build can create NCCL groups.
+bool nccl_available();
+
 class Group {
  public:
   Group();  // the group of one: this rank alone
@@ -50,7 +59,7 @@ class Group {
   // member has (a barrier). `name` must be unique per
   // group in the job and identical on every member; `ranks` are global ranks in group order.
   Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
-        std::chrono::milliseconds timeout);
+        std::chrono::milliseconds timeout, Backend backend = Backend::kGloo);
 
   int64_t rank() const { return rank_; }  // position of this rank in ranks()
   int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
@@ -67,6 +76,17 @@ class Group {
   torch::Tensor all_to_all(const torch::Tensor& t, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows) const;
   void barrier() const;
+
+  // Point-to-point (local, not collective: only the two members involved call it).
+  // send: queues `t` (contiguous) for member `dst` and returns at once; `t` is kept alive
+  // until wait_sends(). Each send must be matched by a recv on `dst` with the same `tag`
+  // (>= 0); messages between one pair with one tag arrive in the order sent.
+  void send(const torch::Tensor& t, int64_t dst, int64_t tag) const;
+  // Receives into `t` (contiguous, the sent shape) from member `src`; blocks until the data
+  // arrived, or throws after the group's timeout.
+  void recv(torch::Tensor& t, int64_t src, int64_t tag) const;
+  // Blocks until every send queued on this Group (by any copy of it) has been received.
+  void wait_sends() const;
 
  private:
   struct Impl;

@@ -82,12 +82,14 @@ struct TrainingOptions {
 // One module's strategy and degrees; empty / 0 / -1 = derived from parallel.strategy and
 // the number of ranks (see resolve_layouts).
 struct ModuleParallelOptions {
-  std::string strategy;  // vision: none, sp, tp, zero3, dp; text: none, tp, zero3, dp
+  std::string strategy;         // vision: none, sp, tp, zero3, dp; text: none, tp, zero3, dp
+  std::vector<int64_t> ranks;   // global ranks of the module (empty = every rank)
   int64_t sp = 0, tp = 0, dp = 0;
   int64_t zero = -1;
   template <class V>
   void visit(V& v) {
     v.field("strategy", strategy, "this module's strategy (empty = from parallel.strategy)");
+    v.field("ranks", ranks, "global ranks this module runs on, in module-rank order (empty = all ranks)");
     v.field("sp", sp, "sequence-parallel degree (0 = derived)");
     v.field("tp", tp, "tensor-parallel degree (0 = derived)");
     v.field("dp", dp, "data-parallel replicas (0 = derived)");
@@ -98,6 +100,7 @@ struct ModuleParallelOptions {
 struct ParallelOptions {
   std::string strategy = "none";
   double timeout_s = 300;  // collective / rendezvous timeout
+  bool pipeline = true;    // pipeline micro-batches between disjoint vision and text ranks
   ModuleParallelOptions vision, text;
   template <class V>
   void visit(V& v) {
@@ -105,6 +108,9 @@ struct ParallelOptions {
             "none (one process), dhp (vision sp + ZeRO-1, text tp), tp (both tp), zero3 (both zero3), "
             "dp (both data-parallel) or custom (parallel.vision / parallel.text say)");
     v.field("timeout_s", timeout_s, "seconds a collective or the rendezvous may wait before the job fails");
+    v.field("pipeline", pipeline,
+            "when vision and text run on disjoint ranks, encode micro-batch i+1 while the text ranks work on i "
+            "(false: one after the other)");
     v.section("vision", vision, "vision tower strategy (overrides parallel.strategy)");
     v.section("text", text, "text decoder strategy (overrides parallel.strategy)");
   }

@@ -2,12 +2,14 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "dhp/core/error.h"
 #include "dhp/parallel/data_parallel.h"
 #include "dhp/parallel/mappings.h"
 #include "dhp/parallel/parallelize.h"
+#include "dhp/parallel/redistribute.h"
 #include "dhp/parallel/vision_sp.h"
 #include "dhp/parallel/zero.h"
 #include "dhp/parallel/zero3.h"
@@ -22,7 +24,8 @@ void set_attention_block(qwen::Qwen2_5_VLImpl& m, int64_t block) {
 
 bool is_vision(const std::string& name) { return name.rfind("visual.", 0) == 0; }
 
-// Fills the strategy and degrees of one module from the named combination and overrides.
+// Fills the ranks, strategy and degrees of one module from the named combination and
+// overrides.
 dist::ModuleLayout resolve_module(const ModuleParallelOptions& o, const std::string& named, dist::ModuleKind kind,
                                   int64_t world) {
   dist::ModuleLayout l;
@@ -32,21 +35,24 @@ dist::ModuleLayout resolve_module(const ModuleParallelOptions& o, const std::str
   if (!o.strategy.empty()) l.strategy = o.strategy;
   else if (named == "dhp") l.strategy = vision ? "sp" : "tp";
   else l.strategy = named;  // none, tp, zero3, dp (custom requires both modules' strategies)
-  l.ranks = dist::iota_ranks(world);
+  l.ranks = o.ranks.empty() ? dist::iota_ranks(world) : o.ranks;
+  const int64_t n = l.size();
+  const std::string where = o.ranks.empty() ? "the " + std::to_string(n) + " ranks"
+                                            : "the " + std::to_string(n) + " ranks of " + key + ".ranks";
   for (const auto& [name, v] : {std::pair<const char*, int64_t>{"sp", o.sp}, {"tp", o.tp}, {"dp", o.dp}}) {
     DHP_CHECK(v >= 0, key, ".", name, "=", v, " must be >= 1 (or 0 = derived)");
-    DHP_CHECK(v == 0 || world % v == 0, key, ".", name, "=", v, " does not divide the ", world, " ranks");
+    DHP_CHECK(v == 0 || n % v == 0, key, ".", name, "=", v, " does not divide ", where);
   }
   l.sp = o.sp ? o.sp : 1;
   l.tp = o.tp ? o.tp : 1;
   l.dp = o.dp ? o.dp : 1;
   // The strategy's own degree takes what the others leave; dp takes the rest otherwise.
-  if (l.strategy == "sp" && !o.sp) l.sp = world / (l.tp * l.dp);
-  if (l.strategy == "tp" && !o.tp) l.tp = world / (l.sp * l.dp);
-  if (!o.dp && l.strategy != "none") l.dp = std::max<int64_t>(1, world / (l.sp * l.tp));
+  if (l.strategy == "sp" && !o.sp) l.sp = n / (l.tp * l.dp);
+  if (l.strategy == "tp" && !o.tp) l.tp = n / (l.sp * l.dp);
+  if (!o.dp && l.strategy != "none") l.dp = std::max<int64_t>(1, n / (l.sp * l.tp));
   l.zero = o.zero >= 0 ? o.zero : (l.strategy == "sp" ? 1 : l.strategy == "zero3" ? 3 : 0);
-  DHP_CHECK(l.strategy != "none" || world == 1, key, ".strategy=none runs on one process, but the job has ", world,
-            " ranks (use dp for replicas, or a parallel strategy)");
+  DHP_CHECK(l.strategy != "none" || n == 1, key, ".strategy=none runs on one process, but the module has ", where,
+            " (use dp for replicas, or a parallel strategy)");
   return l;
 }
 
@@ -54,12 +60,6 @@ int64_t image_rows(const data::Sample& s, int64_t image_token_id) {
   int64_t n = 0;
   for (auto id : s.ids) n += id == image_token_id;
   return n;
-}
-
-// forward: identity; backward: the gradient (zero unless `contribute`) summed over `group`.
-torch::Tensor sum_grad_over(const torch::Tensor& x, const dist::Group& group, bool contribute) {
-  auto y = parallel::copy_to_group(x, group);  // backward: all-reduce of what reaches it
-  return contribute ? y : y * 0.0 + y.detach();  // backward: zero before the all-reduce
 }
 
 }  // namespace
@@ -84,7 +84,8 @@ qwen::Qwen2_5_VL build_model(const Config& cfg) {
 Layouts resolve_layouts(const Config& cfg, int64_t world) {
   DHP_CHECK(world >= 1, "the job needs at least one rank, got ", world);
   const auto& p = cfg.parallel;
-  DHP_CHECK(p.strategy != "none" || world == 1 || !p.vision.strategy.empty() || !p.text.strategy.empty(),
+  DHP_CHECK(p.strategy != "none" || world == 1 || !p.vision.strategy.empty() || !p.text.strategy.empty() ||
+                !p.vision.ranks.empty() || !p.text.ranks.empty(),
             "parallel.strategy=none runs on one process, but the job has ", world,
             " ranks; choose parallel.strategy = dhp, tp, zero3 or dp");
   Layouts l;
@@ -96,6 +97,11 @@ Layouts resolve_layouts(const Config& cfg, int64_t world) {
     } catch (const Error& e) {
       DHP_FAIL("parallel.", m->name(), ": ", e.what());
     }
+  }
+  for (int64_t r = 0; r < world; ++r) {
+    DHP_CHECK(l.vision.module_rank(r) >= 0 || l.text.module_rank(r) >= 0, "rank ", r, " of the ", world,
+              " runs no module: parallel.vision.ranks=", detail::to_yaml_text(l.vision.ranks),
+              " and parallel.text.ranks=", detail::to_yaml_text(l.text.ranks), " leave it idle");
   }
   // Every replica of both modules needs at least one sample of the smallest micro-batch.
   const int64_t smallest = cfg.data.batch_size / cfg.training.micro_batches;
@@ -116,12 +122,14 @@ Layouts resolve_layouts(const Config& cfg, int64_t world) {
 }
 
 std::string describe(const Layouts& l) {
-  auto one = [](const dist::ModuleLayout& m) {
+  const bool same_ranks = l.vision.ranks == l.text.ranks;
+  auto one = [&](const dist::ModuleLayout& m) {
     std::string s = std::string(m.name()) + " " + m.strategy;
     if (m.sp > 1) s += " sp=" + std::to_string(m.sp);
     if (m.tp > 1) s += " tp=" + std::to_string(m.tp);
     if (m.dp > 1) s += " dp=" + std::to_string(m.dp);
     if (m.zero > 0) s += " zero=" + std::to_string(m.zero);
+    if (!same_ranks) s += " on ranks " + detail::to_yaml_text(m.ranks);
     return s;
   };
   return one(l.vision) + " | " + one(l.text);
@@ -129,6 +137,7 @@ std::string describe(const Layouts& l) {
 
 struct ParallelModel::Module {
   dist::ModuleLayout layout;
+  bool member = false;  // does this rank host the module?
   dist::ProcessGroups pg;
   dist::ModuleLayout::Coord coord;
   parallel::TpShardMap tp_map;
@@ -139,30 +148,56 @@ struct ParallelModel::Module {
   std::unique_ptr<parallel::Zero1AdamW> zero1;
 };
 
+// What the schedule's actions of one micro-batch hand each other on this rank.
+struct ParallelModel::MicroBatchState {
+  parallel::RedistributePlan plan;
+  torch::Tensor vision_out;  // (rows of this vision replica, C), with its graph
+  torch::Tensor text_in;     // (rows of this text replica, C), a leaf that collects the gradient
+  torch::Tensor vision_grad; // (rows of this vision replica, C)
+};
+
 ParallelModel::~ParallelModel() = default;
+
+void ParallelModel::release_parameters(bool vision) {
+  torch::NoGradGuard no_grad;
+  for (auto& kv : model_->named_parameters(true)) {
+    if (is_vision(kv.key()) != vision) continue;
+    kv.value().set_data(torch::empty({0}, kv.value().options()));
+  }
+}
 
 ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Runtime& rt)
     : cfg_(cfg), layouts_(layouts), rt_(rt) {
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
   if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", dist::iota_ranks(rt_.world), rt_.rank, rt_.timeout);
   model_ = build_model(cfg_);
+  for (auto& kv : model_->named_parameters(true)) {
+    full_shapes_[kv.key()] = {kv.value().sizes().vec(), kv.value().scalar_type()};
+  }
   auto make = [&](const dist::ModuleLayout& l) {
     auto m = std::make_unique<Module>();
     m->layout = l;
+    m->member = l.module_rank(rt_.rank) >= 0;
     if (rt_.world > 1) m->pg = dist::make_process_groups(*rt_.store, l, rt_.rank, rt_.timeout);
-    m->coord = l.coord(l.module_rank(rt_.rank));
+    if (m->member) m->coord = l.coord(l.module_rank(rt_.rank));
     return m;
   };
   vision_ = make(layouts_.vision);
   text_ = make(layouts_.text);
   auto& m = *model_;
+  if (!vision_->member) release_parameters(/*vision=*/true);
+  if (!text_->member) release_parameters(/*vision=*/false);
   const auto& vs = vision_->layout.strategy;
-  if (vs == "sp") parallel::parallelize_vision_sp(m, vision_->pg.sp, cfg_.training.attention_block);
-  else if (vs == "tp") vision_->tp_map = parallel::parallelize_vision_tp(m, vision_->pg.tp);
-  else if (vs == "zero3") vision_->zero3 = parallel::parallelize_zero3(m, "visual", vision_->pg.dp);
+  if (vision_->member) {
+    if (vs == "sp") parallel::parallelize_vision_sp(m, vision_->pg.sp, cfg_.training.attention_block);
+    else if (vs == "tp") vision_->tp_map = parallel::parallelize_vision_tp(m, vision_->pg.tp);
+    else if (vs == "zero3") vision_->zero3 = parallel::parallelize_zero3(m, "visual", vision_->pg.dp);
+  }
   const auto& ts = text_->layout.strategy;
-  if (ts == "tp") text_->tp_map = parallel::parallelize_text_tp(m, text_->pg.tp);
-  else if (ts == "zero3") text_->zero3 = parallel::parallelize_zero3(m, "text", text_->pg.dp);
+  if (text_->member) {
+    if (ts == "tp") text_->tp_map = parallel::parallelize_text_tp(m, text_->pg.tp);
+    else if (ts == "zero3") text_->zero3 = parallel::parallelize_zero3(m, "text", text_->pg.dp);
+  }
 
   AdamWOptions o;
   o.beta1 = cfg_.training.beta1;
@@ -171,6 +206,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   o.weight_decay = cfg_.training.weight_decay;
   const auto all = named_params(m);
   for (Module* mod : {vision_.get(), text_.get()}) {
+    if (!mod->member) continue;
     const bool vis = mod == vision_.get();
     if (mod->zero3) {
       mod->params = mod->zero3->shards();
@@ -185,73 +221,106 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     if (mod->layout.zero == 1) mod->zero1 = std::make_unique<parallel::Zero1AdamW>(mod->params, o, mod->pg.data);
     else mod->adam = std::make_unique<AdamW>(mod->params, o);
   }
-  // The text replica of a rank is its vision replica when both split the ranks into the
-  // same consecutive blocks.
-  same_replicas_ = layouts_.vision.dp == layouts_.text.dp;
 }
 
-std::vector<int64_t> ParallelModel::chunk(int64_t n, int64_t replicas, int64_t r) const {
-  const int64_t base = n / replicas, rem = n % replicas;
-  const int64_t begin = r * base + std::min(r, rem);
-  return {begin, begin + base + (r < rem ? 1 : 0)};
+bool ParallelModel::hosts_vision() const { return vision_->member; }
+bool ParallelModel::hosts_text() const { return text_->member; }
+
+std::vector<Action> ParallelModel::schedule(int64_t micro_batches) const {
+  return make_schedule(layouts_.vision, layouts_.text, rt_.rank, micro_batches, cfg_.parallel.pipeline);
 }
 
-torch::Tensor ParallelModel::bridge(const torch::Tensor& vision_rows, const std::vector<data::Sample>& mb) {
-  const int64_t n = static_cast<int64_t>(mb.size());
+ParallelModel::StepResult ParallelModel::forward_backward(const std::vector<std::vector<data::Sample>>& micro,
+                                                          double global_targets) {
   const int64_t img = cfg_.model.config.image_token_id;
-  std::vector<int64_t> rows_of(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) rows_of[i] = image_rows(mb[i], img);
-  auto rows_in = [&](const std::vector<int64_t>& c) {
-    int64_t r = 0;
-    for (int64_t i = c[0]; i < c[1]; ++i) r += rows_of[i];
-    return r;
-  };
-  std::vector<int64_t> per_replica;
-  for (int64_t v = 0; v < vision_->layout.dp; ++v) per_replica.push_back(rows_in(chunk(n, vision_->layout.dp, v)));
-  auto all = parallel::gather_rows(vision_rows, vision_->pg.dp, per_replica);  // the micro-batch's rows
-  all = sum_grad_over(all, job_, text_->coord.tp == 0);
-  const auto tc = chunk(n, text_->layout.dp, text_->coord.dp);
-  return all.narrow(0, rows_in({0, tc[0]}), rows_in(tc));
+  std::vector<MicroBatchState> state(micro.size());
+  for (size_t i = 0; i < micro.size(); ++i) {
+    std::vector<int64_t> rows;
+    for (const auto& s : micro[i]) rows.push_back(image_rows(s, img));
+    state[i].plan = parallel::plan_redistribute(layouts_.vision, layouts_.text, rows);
+  }
+  StepResult result;
+  for (const auto& a : schedule(static_cast<int64_t>(micro.size()))) {
+    run_action(a, micro, global_targets, state, result);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  job_.wait_sends();
+  result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return result;
 }
 
-double ParallelModel::forward_backward(const std::vector<data::Sample>& mb, double global_targets) {
-  const int64_t n = static_cast<int64_t>(mb.size());
+void ParallelModel::run_action(const Action& a, const std::vector<std::vector<data::Sample>>& micro,
+                               double global_targets, std::vector<MicroBatchState>& state, StepResult& result) {
+  const auto& mb = micro[static_cast<size_t>(a.micro_batch)];
+  auto& st = state[static_cast<size_t>(a.micro_batch)];
   const auto& mc = cfg_.model.config;
-  auto slice = [&](const std::vector<int64_t>& c) {
-    return std::vector<data::Sample>(mb.begin() + c[0], mb.begin() + c[1]);
+  const int64_t n = static_cast<int64_t>(mb.size());
+  const int64_t hidden = mc.text.hidden_size;
+  const int64_t fwd_tag = 2 * a.micro_batch, bwd_tag = 2 * a.micro_batch + 1;
+  auto slice = [&](std::pair<int64_t, int64_t> c) {
+    return std::vector<data::Sample>(mb.begin() + c.first, mb.begin() + c.second);
   };
-  const auto vc = chunk(n, vision_->layout.dp, vision_->coord.dp);
-  const auto tc = chunk(n, text_->layout.dp, text_->coord.dp);
-  auto text_batch = data::collate(slice(tc), mc);
-  // Vision replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
-  if (vision_->zero3) {
-    for (int64_t v = 0; v < vision_->layout.dp; ++v) {
-      const auto c = chunk(n, vision_->layout.dp, v);
-      bool any = false;
-      for (int64_t i = c[0]; i < c[1]; ++i) any = any || !mb[i].grids.empty();
-      DHP_CHECK(any, "vision zero3: replica ", v, " has no image in its samples ", c[0], "..", c[1] - 1,
-                " of the micro-batch; every replica needs one");
+  auto options = torch::TensorOptions().dtype(full_shapes_.begin()->second.second);
+  const auto t0 = std::chrono::steady_clock::now();
+  switch (a.op) {
+    case Op::kVisionForward: {
+      const auto vc = parallel::replica_chunk(n, vision_->layout.dp, vision_->coord.dp);
+      // Vision replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
+      if (vision_->zero3) {
+        for (int64_t v = 0; v < vision_->layout.dp; ++v) {
+          const auto c = parallel::replica_chunk(n, vision_->layout.dp, v);
+          bool any = false;
+          for (int64_t i = c.first; i < c.second; ++i) any = any || !mb[i].grids.empty();
+          DHP_CHECK(any, "vision zero3: replica ", v, " has no image in its samples ", c.first, "..", c.second - 1,
+                    " of micro-batch ", a.micro_batch, "; every replica needs one");
+        }
+      }
+      st.vision_out = model_->encode_images(data::collate(slice(vc), mc));
+      if (!st.vision_out.defined()) st.vision_out = torch::zeros({0, hidden}, options);
+      break;
     }
-  }
-  torch::Tensor vis;
-  if (same_replicas_) {
-    vis = model_->encode_images(text_batch);
-  } else {
-    auto vb = data::collate(slice(vc), mc);
-    auto rows = model_->encode_images(vb);
-    if (!rows.defined()) {
-      rows = torch::zeros({0, mc.text.hidden_size}, model_->model->embed_tokens->weight.options());
+    case Op::kSendActivations:
+      parallel::send_pieces(st.plan.forward, st.vision_out, job_, rt_.rank, fwd_tag);
+      break;
+    case Op::kRecvActivations: {
+      const int64_t rows = st.plan.text_rows.at(rt_.rank);
+      auto in = parallel::recv_pieces(st.plan.forward, st.vision_out, rows, hidden, options, job_, rt_.rank, fwd_tag);
+      st.text_in = in.detach().requires_grad_(true);
+      result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      break;
     }
-    vis = bridge(rows, mb);
+    case Op::kTextForwardBackward: {
+      const auto tc = parallel::replica_chunk(n, text_->layout.dp, text_->coord.dp);
+      auto out = model_->forward(data::collate(slice(tc), mc), st.text_in);
+      (out.loss_sum / global_targets).backward();
+      if (text_->coord.tp == 0) result.loss_sum += out.loss_sum.item<double>();
+      break;
+    }
+    case Op::kSendGrads: {
+      auto g = st.text_in.grad();
+      if (!g.defined()) g = torch::zeros_like(st.text_in);
+      st.text_in = g;  // the activations are no longer needed; keep what is sent
+      parallel::send_pieces(st.plan.backward, g, job_, rt_.rank, bwd_tag);
+      break;
+    }
+    case Op::kRecvGrads: {
+      const int64_t rows = st.plan.vision_rows.at(rt_.rank);
+      st.vision_grad = parallel::recv_pieces(st.plan.backward, st.text_in, rows, hidden, options, job_, rt_.rank,
+                                             bwd_tag);
+      result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      break;
+    }
+    case Op::kVisionBackward:
+      if (st.vision_out.requires_grad() && st.vision_out.size(0) > 0) st.vision_out.backward(st.vision_grad);
+      st.vision_out = torch::Tensor();
+      st.vision_grad = torch::Tensor();
+      break;
   }
-  auto out = model_->forward(text_batch, vis);
-  auto loss = out.loss_sum / global_targets;
-  loss.backward();
-  return text_->coord.tp == 0 ? out.loss_sum.item<double>() : 0.0;
 }
 
 void ParallelModel::zero_grad() {
   for (Module* m : {vision_.get(), text_.get()}) {
+    if (!m->member) continue;
     if (m->zero1) m->zero1->zero_grad();
     else m->adam->zero_grad();
   }
@@ -261,6 +330,7 @@ double ParallelModel::finish_step(double lr, double max_norm) {
   torch::NoGradGuard no_grad;
   double sq = 0;
   for (Module* m : {vision_.get(), text_.get()}) {
+    if (!m->member) continue;
     if (!m->zero3 && m->pg.data.size() > 1) {
       // Every member must reduce the same tensors: a parameter unused here is a zero gradient.
       std::vector<torch::Tensor> ps;
@@ -283,6 +353,7 @@ double ParallelModel::finish_step(double lr, double max_norm) {
         if (p.param.grad().defined()) p.param.grad().mul_(scale);
   }
   for (Module* m : {vision_.get(), text_.get()}) {
+    if (!m->member) continue;
     if (m->zero1) m->zero1->step(lr);
     else m->adam->step(lr);
   }
@@ -293,19 +364,47 @@ std::map<std::string, torch::Tensor> ParallelModel::full_parameters() {
   torch::NoGradGuard no_grad;
   std::map<std::string, torch::Tensor> out;
   for (Module* m : {vision_.get(), text_.get()}) {
-    if (m->zero3) {
-      for (auto& [k, v] : m->zero3->full_parameters()) out[k] = v;
-      continue;
+    std::map<std::string, torch::Tensor> full;
+    if (m->member) {
+      if (m->zero3) {
+        full = m->zero3->full_parameters();
+      } else {
+        for (const auto& p : m->params) {
+          auto it = m->tp_map.find(p.name);
+          full[p.name] = it == m->tp_map.end() ? p.param.detach().clone()
+                                               : parallel::unshard(p.param.detach(), it->second, m->pg.tp);
+        }
+      }
     }
-    for (const auto& p : m->params) {
-      auto it = m->tp_map.find(p.name);
-      out[p.name] = it == m->tp_map.end() ? p.param.detach().clone()
-                                          : parallel::unshard(p.param.detach(), it->second, m->pg.tp);
+    // Rank 0 gets a module it does not host from the module's first rank, in one message.
+    const int64_t owner = m->layout.ranks.front();
+    if (!m->member && rt_.rank == 0) {
+      int64_t numel = 0;
+      for (const auto& [name, meta] : full_shapes_) {
+        if (is_vision(name) != (m == vision_.get())) continue;
+        int64_t k = 1;
+        for (auto d : meta.first) k *= d;
+        numel += k;
+      }
+      auto flat = torch::empty({numel}, torch::TensorOptions().dtype(full_shapes_.begin()->second.second));
+      job_.recv(flat, owner, /*tag=*/1 << 20);
+      int64_t at = 0;
+      for (const auto& [name, meta] : full_shapes_) {
+        if (is_vision(name) != (m == vision_.get())) continue;
+        auto t = flat.narrow(0, at, c10::multiply_integers(meta.first)).view(meta.first).clone();
+        at += t.numel();
+        full[name] = t;
+      }
+    } else if (rt_.rank == owner && m->layout.module_rank(0) < 0) {
+      std::vector<torch::Tensor> parts;
+      for (const auto& [name, t] : full) parts.push_back(t.reshape({-1}));  // map order = name order
+      job_.send(torch::cat(parts).to(full_shapes_.begin()->second.second), 0, /*tag=*/1 << 20);
     }
+    for (auto& [k, v] : full) out[k] = v;
   }
+  job_.wait_sends();
   return out;
 }
-
 double ParallelModel::sum_over_job(double x) const {
   if (rt_.world == 1) return x;
   auto t = torch::tensor({x}, torch::kFloat64);
@@ -318,6 +417,12 @@ double ParallelModel::max_over_job(double x) const {
   auto t = torch::tensor({x}, torch::kFloat64);
   job_.all_reduce_max_(t);
   return t.item<double>();
+}
+
+std::vector<double> ParallelModel::gather_over_job(const std::vector<double>& x) const {
+  auto t = torch::tensor(x, torch::kFloat64);
+  auto all = job_.all_gather(t, 0).contiguous();
+  return std::vector<double>(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
 }
 
 void ParallelModel::barrier() const { job_.barrier(); }

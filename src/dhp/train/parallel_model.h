@@ -1,18 +1,18 @@
 // ParallelModel: the Qwen2.5-VL model on this rank with each module's strategy applied,
-// and the step logic that makes every strategy train like one process.
+// and the step logic that makes every strategy and placement train like one process.
 //
-// Colocated placement (this issue): both modules run on every rank of the job.
-// A global micro-batch (the same list of samples on every rank) is split into contiguous
-// chunks per data-parallel replica of each module:
-//   vision replica v encodes the images of its chunk (sp: ragged window shards inside the
-//   replica; tp: heads/MLP split; zero3/dp: one rank per replica);
-//   when the two modules' replicas are the same rank sets (dhp, tp, zero3, dp, none), each
-//   text replica uses its vision replica's output as is; otherwise the embeddings are
-//   all-gathered across vision replicas and each text replica takes its samples' rows
-//   (backward: the gradient rows of each text replica, summed over the job, reach every
-//   vision rank that produced them);
-//   text replica t runs the decoder on its chunk; its loss is divided by the number of
-//   target tokens of the whole global batch, so summed gradients are the global mean's.
+// Placement: each module runs on its own global ranks (parallel.vision.ranks /
+// parallel.text.ranks; every rank by default): colocated, disjoint or overlapping. A rank
+// builds, parallelizes and optimizes only the modules it hosts; the other module's
+// parameters are released.
+// A step runs the rank's schedule (schedule.h) over the global micro-batches (the same
+// list of samples on every rank). Each module's data-parallel replicas take contiguous
+// chunks of every micro-batch: vision replica v encodes the images of its chunk (sp:
+// ragged window shards inside the replica; tp: heads/MLP split; zero3/dp: one rank per
+// replica); parallel::Redistribute moves each text replica's embedding rows to all of its
+// ranks (point-to-point, nothing moved where they already are) and the gradients back;
+// text replica t runs the decoder on its chunk, its loss divided by the number of target
+// tokens of the whole global batch, so summed gradients are the global mean's.
 // finish_step(): gradients of replicated parameters are summed over each module's data
 // group (sp x dp), the global gradient norm is computed once over unique elements across
 // both modules and every rank, gradients are clipped, and each module's optimizer steps
@@ -31,6 +31,7 @@
 #include "dhp/models/qwen2_5_vl/model.h"
 #include "dhp/train/config.h"
 #include "dhp/train/optim.h"
+#include "dhp/train/schedule.h"
 
 namespace dhp::train {
 
@@ -38,12 +39,12 @@ struct Layouts {
   dist::ModuleLayout vision, text;
 };
 
-// The vision and text layouts of `cfg` on `world` colocated ranks, validated (strategy
-// names, degrees that multiply to the ranks, heads / kv heads / vocabulary / MLP widths
-// divisible, enough attention windows per micro-batch for sp). Throws dhp::Error naming
-// the parallel.* keys and the numbers.
+// The vision and text layouts of `cfg` on `world` ranks, validated (strategy names, rank
+// lists inside the world and covering it, degrees that multiply to each module's ranks,
+// heads / kv heads / vocabulary / MLP widths divisible, enough attention windows per
+// micro-batch for sp). Throws dhp::Error naming the parallel.* keys and the numbers.
 Layouts resolve_layouts(const Config& cfg, int64_t world);
-// One line, e.g. "vision sp=4 zero=1 | text tp=2 dp=2".
+// One line, e.g. "vision sp sp=4 zero=1 | text tp tp=2 dp=2" (each module's ranks added when they differ).
 std::string describe(const Layouts& l);
 
 // Where this process sits in the job.
@@ -63,20 +64,31 @@ class ParallelModel {
   ParallelModel(const Config& cfg, const Layouts& layouts, const Runtime& rt);
   ~ParallelModel();
 
-  // Forward and backward of one global micro-batch; loss scaled by 1/`global_targets`.
-  // Returns this rank's text replica's summed loss (0 on all but one rank per replica, so
-  // a sum over the job is the micro-batch's loss sum).
-  double forward_backward(const std::vector<data::Sample>& micro_batch, double global_targets);
+  struct StepResult {
+    double loss_sum = 0;  // this rank's share: a sum over the job is the step's loss sum
+    double wait_s = 0;    // time blocked on the other module (receives, pending sends)
+  };
+  // Forward and backward of a step's global micro-batches through this rank's schedule;
+  // losses scaled by 1/`global_targets`. Collective over the job.
+  StepResult forward_backward(const std::vector<std::vector<data::Sample>>& micro_batches, double global_targets);
   // Gradient sums, global-norm clipping (max_norm 0 = off), optimizer steps. Returns the
   // global gradient norm before clipping (equal on every rank).
   double finish_step(double lr, double max_norm);
   void zero_grad();
 
-  // Every parameter in full with its single-process name and shape (collective).
+  // Every parameter in full with its single-process name and shape (collective). Complete
+  // on rank 0 and on the ranks that host both modules; a rank that hosts one module gets
+  // that module's parameters.
   std::map<std::string, torch::Tensor> full_parameters();
+  // This rank's schedule for a step of `micro_batches`.
+  std::vector<Action> schedule(int64_t micro_batches) const;
+  bool hosts_vision() const;
+  bool hosts_text() const;
   // Sum / max of one number over every rank of the job.
   double sum_over_job(double x) const;
   double max_over_job(double x) const;
+  // Every rank's `x` (same length everywhere), rank-major: result[r * x.size() + i].
+  std::vector<double> gather_over_job(const std::vector<double>& x) const;
   void barrier() const;
 
   // True when this rank's model is the whole single-process model (one rank, no ZeRO-3).
@@ -87,8 +99,10 @@ class ParallelModel {
 
  private:
   struct Module;
-  torch::Tensor bridge(const torch::Tensor& vision_rows, const std::vector<data::Sample>& mb);
-  std::vector<int64_t> chunk(int64_t n, int64_t replicas, int64_t replica) const;
+  struct MicroBatchState;
+  void run_action(const Action& a, const std::vector<std::vector<data::Sample>>& micro, double global_targets,
+                  std::vector<MicroBatchState>& state, StepResult& result);
+  void release_parameters(bool vision);  // frees the parameters of a module this rank does not host
 
   Config cfg_;
   Layouts layouts_;
@@ -96,7 +110,8 @@ class ParallelModel {
   qwen::Qwen2_5_VL model_{nullptr};
   dist::Group job_;
   std::unique_ptr<Module> vision_, text_;
-  bool same_replicas_ = true;  // each text replica is exactly one vision replica's ranks
+  // Name -> (shape, dtype) of every parameter, kept for those released on this rank.
+  std::map<std::string, std::pair<std::vector<int64_t>, torch::Dtype>> full_shapes_;
 };
 
 }  // namespace dhp::train

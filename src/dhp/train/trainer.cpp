@@ -43,7 +43,18 @@ std::string metrics_json(const StepMetrics& m) {
      << ", \"tokens\": " << m.tokens << ", \"target_tokens\": " << m.target_tokens
      << ", \"patches\": " << m.patches << ", \"peak_bytes\": " << m.peak_bytes
      << ", \"model_flops\": " << m.model_flops << ", \"comm_s\": " << m.comm_s
-     << ", \"comm_calls\": " << m.comm_calls << ", \"comm_bytes\": " << m.comm_bytes << "}";
+     << ", \"comm_calls\": " << m.comm_calls << ", \"comm_bytes\": " << m.comm_bytes
+     << ", \"wait_s\": " << m.wait_s;
+  auto list = [&](const char* key, const std::vector<double>& v) {
+    os << ", \"" << key << "\": [";
+    for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+    os << "]";
+  };
+  list("peak_bytes_per_rank", m.peak_bytes_per_rank);
+  list("comm_s_per_rank", m.comm_s_per_rank);
+  list("busy_s_per_rank", m.busy_s_per_rank);
+  list("idle_s_per_rank", m.idle_s_per_rank);
+  os << "}";
   return os.str();
 }
 
@@ -100,8 +111,9 @@ StepMetrics Trainer::train_step() {
   }
   DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
   parallel_->zero_grad();
-  double loss_sum = 0;
-  for (const auto& mb : micro) loss_sum += parallel_->forward_backward(mb, static_cast<double>(m.target_tokens));
+  const auto fb = parallel_->forward_backward(micro, static_cast<double>(m.target_tokens));
+  double loss_sum = fb.loss_sum;
+  m.wait_s = fb.wait_s;
   m.lr = lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
   m.grad_norm = parallel_->finish_step(m.lr, cfg_.training.grad_clip);
   loss_sum = parallel_->sum_over_job(loss_sum);
@@ -116,6 +128,15 @@ StepMetrics Trainer::train_step() {
   m.comm_s = comm1.seconds - comm0.seconds;
   m.comm_calls = comm1.calls - comm0.calls;
   m.comm_bytes = comm1.bytes - comm0.bytes;
+  // Busy = the step minus the time blocked on the other module (idle).
+  const auto per_rank = parallel_->gather_over_job(
+      {static_cast<double>(memory_peak_bytes()), m.comm_s, m.step_time_s - m.wait_s, m.wait_s});
+  for (size_t r = 0; r < per_rank.size() / 4; ++r) {
+    m.peak_bytes_per_rank.push_back(per_rank[4 * r]);
+    m.comm_s_per_rank.push_back(per_rank[4 * r + 1]);
+    m.busy_s_per_rank.push_back(per_rank[4 * r + 2]);
+    m.idle_s_per_rank.push_back(per_rank[4 * r + 3]);
+  }
   return m;
 }
 

@@ -30,6 +30,9 @@ struct StepMetrics {
   double comm_s = 0;           // this rank's time inside collectives during the step
   int64_t comm_calls = 0;
   int64_t comm_bytes = 0;
+  double wait_s = 0;           // this rank's time blocked on the other module (schedule receives)
+  // Per rank of the job, rank-major (rank 0 has them all; other ranks their own only).
+  std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
 };
 
 struct EvalResult {
