@@ -155,6 +155,13 @@ std::string mib_list(const std::vector<double>& bytes) {
   return s;
 }
 
+// The layout as one table cell (no '|').
+std::string cell(std::string s) {
+  for (auto& c : s)
+    if (c == '|') c = '/';
+  return s;
+}
+
 std::string seconds_list(const std::vector<double>& v) {
   std::string s;
   for (double x : v) {
@@ -260,12 +267,12 @@ void print_table(const std::vector<PointResult>& results, const Options& o) {
   for (const auto& r : results) {
     if (!r.ok) {
       std::printf("| %s | %lld | %s | failed: %s |||||\n", r.name.c_str(), static_cast<long long>(r.image_side),
-                  r.layout.c_str(), r.error.c_str());
+                  cell(r.layout).c_str(), cell(r.error).c_str());
       continue;
     }
     const double comm_frac = mean(r.comm_s_per_rank) / r.step_time_s;
     std::printf("| %s | %lld | %s | %.3f | %.0f | %s | %s | %.0f | %.0f / %.0f |\n", r.name.c_str(),
-                static_cast<long long>(r.image_side), r.layout.c_str(), r.step_time_s, r.patches_per_s,
+                static_cast<long long>(r.image_side), cell(r.layout).c_str(), r.step_time_s, r.patches_per_s,
                 mib_list(r.peak_bytes_per_rank).c_str(), seconds_list(r.comm_s_per_rank).c_str(), 100 * comm_frac,
                 100 * idle_fraction(r, r.vision_ranks), 100 * idle_fraction(r, r.text_ranks));
   }
