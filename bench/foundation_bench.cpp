@@ -18,20 +18,6 @@
 
 namespace {
 
-double gemm_gflops(torch::ScalarType dtype, int64_t n, int reps) {
-  auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
-  torch::NoGradGuard ng;
-  torch::matmul(a, b);  // warm-up
-  double best = 0;
-  for (int r = 0; r < reps; ++r) {
-    dhp::Timer t;
-    auto c = torch::matmul(a, b);
-    const double s = t.seconds();
-    best = std::max(best, 2.0 * n * n * n / s / 1e9);
-  }
-  return best;
-}
-
 struct AttnResult {
   bool oom = false;
   double seconds = 0;
@@ -106,8 +92,8 @@ int main(int argc, char** argv) {
     std::printf("1. GEMM peak (best of square matmuls)\n");
     double peak32 = 0, peak16 = 0;
     for (int64_t n : {512L, 1024L, 2048L}) {
-      const double f = gemm_gflops(torch::kFloat32, n, quick ? 2 : 5);
-      const double b = gemm_gflops(torch::kBFloat16, n, quick ? 2 : 5);
+      const double f = dhp::gemm_gflops(torch::kFloat32, n, quick ? 2 : 5);
+      const double b = dhp::gemm_gflops(torch::kBFloat16, n, quick ? 2 : 5);
       peak32 = std::max(peak32, f);
       peak16 = std::max(peak16, b);
       std::printf("  n=%-5lld fp32 %8.1f GFLOP/s   bf16 %8.1f GFLOP/s\n", static_cast<long long>(n), f, b);

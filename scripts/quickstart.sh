@@ -10,9 +10,9 @@ mode="${1:-demo}"
 case "$mode" in demo|test|build) ;; *) echo "usage: $0 demo|test|build" >&2; exit 2 ;; esac
 
 # libtorch 1.13 (CPU) with c10d's Gloo headers, a fast BLAS (without OpenBLAS libtorch falls
-# back to the reference BLAS, ~20x slower), yaml-cpp, GoogleTest, ccache.
+# back to the reference BLAS, ~20x slower), yaml-cpp, GoogleTest, ccache, gnuplot (dhp bench's plot).
 packages=(build-essential cmake ccache libtorch-dev libgloo-dev libopenblas0-openmp
-          libyaml-cpp-dev libgtest-dev)
+          libyaml-cpp-dev libgtest-dev gnuplot-nox)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

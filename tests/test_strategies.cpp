@@ -215,7 +215,11 @@ TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {
   expect_error({"parallel.strategy=dhp", "parallel.text.tp=3"}, 4, "parallel.text.tp=3 does not divide the 4 ranks");
   expect_error({"parallel.strategy=dhp"}, 8, "sp=8 does not divide vision num_heads=4");
   expect_error({"parallel.strategy=dp"}, 8, "replicas need at least 8 samples per micro-batch");
-  expect_error({"parallel.strategy=dhp", "data.batch_size=4"}, 4, "needs at least one attention window per rank");
+  expect_error({"parallel.strategy=dhp", "data.batch_size=2", "training.micro_batches=1"}, 4,
+               "needs at least one attention window per rank, but a vision replica may get only 2 window(s)");
+  ASSERT_NO_THROW(dhp::train::resolve_layouts(
+      config({"parallel.strategy=dhp", "data.batch_size=2", "training.micro_batches=1", "data.min_side=224",
+              "data.max_side=224"}), 4));
   expect_error({"parallel.strategy=custom", "parallel.vision.strategy=dp"}, 2, "parallel.vision.strategy and parallel.text.strategy");
   expect_error({"parallel.strategy=dhp", "parallel.vision.ranks=[0]", "parallel.text.ranks=[1]"}, 3,
                "rank 2 of the 3 runs no module");

@@ -31,9 +31,9 @@ TEST(VisionSp, WindowShardsAreWholeWindowsAndBalanced) {
   EXPECT_THROW(dhp::parallel::window_shards(cu, 6), dhp::Error);
 }
 
-void check_sp(int64_t sp) {
+void check_sp(int64_t sp, int images = 3, int64_t min_side = 112, int64_t max_side = 224, bool checkpoint = false) {
   auto cfg = dhp::qwen::preset("demo");  // 4 vision heads
-  auto batch = dhp::data::collate(dhp::testing::shapes_samples(cfg, 3, 112, 224), cfg);
+  auto batch = dhp::data::collate(dhp::testing::shapes_samples(cfg, images, min_side, max_side), cfg);
   dhp::qwen::Qwen2_5_VL ref(cfg);
   dhp::qwen::init_parameters(*ref, 5, 0.05);
   auto out = ref->forward(batch);
@@ -44,6 +44,7 @@ void check_sp(int64_t sp) {
     dhp::dist::Group g(store, "sp", dhp::testing::first_ranks(sp), r, kTestTimeout);
     dhp::qwen::Qwen2_5_VL m(cfg);
     dhp::qwen::init_parameters(*m, 5, 0.05);
+    m->set_activation_checkpointing(checkpoint);
     dhp::parallel::parallelize_vision_sp(*m, g);
     auto o = m->forward(batch);
     EXPECT_NEAR(o.loss_sum.item<double>(), loss, 1e-5 * loss);
@@ -63,5 +64,10 @@ void check_sp(int64_t sp) {
 
 TEST(VisionSp, TwoRanksEqualSingleProcess) { check_sp(2); }
 TEST(VisionSp, FourRanksEqualSingleProcess) { check_sp(4); }
+// Fewer images than ranks: one image of 4-9 windows split across 4 ranks, its full-attention
+// blocks spanning every shard.
+TEST(VisionSp, OneImageSplitAcrossFourRanks) { check_sp(4, 1, 224, 336); }
+// Activation checkpointing: every block recomputed in backward, Ulysses all-to-alls too.
+TEST(VisionSp, CheckpointedBlocksEqualSingleProcess) { check_sp(2, 3, 112, 224, /*checkpoint=*/true); }
 
 }  // namespace

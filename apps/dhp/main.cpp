@@ -15,7 +15,7 @@
 #include "dhp/core/memory.h"
 #include "dhp/train/config.h"
 #include "dhp/train/trainer.h"
-#include "bench.h"
+#include "dhp/bench/bench.h"
 #include "launch.h"
 
 namespace {
@@ -205,10 +205,26 @@ int64_t parse_int(const std::string& flag, const std::string& v) {
   DHP_FAIL(flag, " expects an integer, got '", v, "'");
 }
 
+std::vector<int64_t> parse_int_list(const std::string& flag, const std::string& v) {
+  std::vector<int64_t> out;
+  std::string cur;
+  for (char c : v + ",") {
+    if (c == ',') {
+      if (!cur.empty()) out.push_back(parse_int(flag, cur));
+      cur.clear();
+    } else if (c != ' ') {
+      cur += c;
+    }
+  }
+  DHP_CHECK(!out.empty(), flag, " needs a comma-separated list of integers, got '", v, "'");
+  return out;
+}
+
 int cmd_bench(int argc, char** argv, int first) {
   dhp::bench::Options o;
   std::string strategies = "dhp,tp,zero3";
   std::vector<std::string> points;
+  std::vector<int64_t> sides;
   bool strategies_given = false;
   Flags flags(argc, argv, first);
   while (flags.next()) {
@@ -217,22 +233,30 @@ int cmd_bench(int argc, char** argv, int first) {
     if (f == "-h" || f == "--help") {
       std::printf(
           "usage: dhp bench [--config FILE] [--set KEY=VALUE]... [--strategies LIST] [--point NAME:K=V;K=V]...\n"
-          "                 [--image-sides LIST] [--nproc N] [--steps N] [--warmup N] [--out DIR]\n\n"
-          "Runs every point at every image size as its own 'dhp train --nproc N' job and prints, in one\n"
-          "run, the mean step time (after the warm-up steps), vision patches/s, the peak tensor memory\n"
-          "of each rank, each rank's time in communication per step, and the idle fraction of the\n"
-          "vision and the text ranks (time blocked on the other module). A point that fails is\n"
-          "recorded with its error and the sweep goes on. Writes DIR/results.json and each point's\n"
-          "run directory (metrics.jsonl, log.txt) under DIR.\n\noptions:\n%s"
-          "  --strategies LIST  named strategies, each a point parallel.strategy=NAME\n"
-          "                     (default dhp,tp,zero3; '' for none)\n"
-          "  --point NAME:SETS  a custom point: config keys separated by ';', e.g.\n"
-          "                     'seq:parallel.strategy=dhp;parallel.vision.ranks=[0,1];parallel.pipeline=false'\n"
-          "  --image-sides LIST square image sides in pixels, multiples of 28 (default 112,224)\n"
-          "  --nproc N          worker processes per point (default 2)\n"
-          "  --steps N          training steps per point (default 6)\n"
-          "  --warmup N         first steps left out of the averages (default 2)\n"
-          "  --out DIR          output directory (default runs/bench)\n",
+          "                 [--vision-tokens LIST | --image-sides LIST] [--batch-sizes LIST]\n"
+          "                 [--memory-limit SIZE] [--nproc N] [--steps N] [--warmup N] [--out DIR] [--no-plot]\n\n"
+          "For each point and vision length, runs 'dhp train --nproc N' jobs (own worker processes), trying\n"
+          "the batch sizes from the largest down and keeping the largest that fits the per-rank memory\n"
+          "limit; a length where none fits is recorded as OOM and the sweep goes on. Prints, in one run,\n"
+          "throughput (vision patches per image x batch / mean step time after the warm-up), step time,\n"
+          "text tokens/s, peak memory and communication time per rank, model FLOP/s per rank against\n"
+          "the GEMM peak measured in the same run, and the idle fraction of the vision and text ranks.\n"
+          "Writes DIR/results.json, DIR/table.md, DIR/throughput.png (gnuplot) and DIR/runs/*.\n\n"
+          "options:\n%s"
+          "  --strategies LIST    named strategies, each a point parallel.strategy=NAME\n"
+          "                       (default dhp,tp,zero3; '' for none)\n"
+          "  --point NAME:SETS    a custom point: config keys separated by ';', e.g.\n"
+          "                       'seq:parallel.vision.ranks=[0,1];parallel.pipeline=false'\n"
+          "  --vision-tokens LIST patches per image (before the 2x2 merge), each the square of an even\n"
+          "                       number: images are that square (default 64,256 = 112 and 224 px)\n"
+          "  --image-sides LIST   the same given as square image sides in pixels (multiples of 28)\n"
+          "  --batch-sizes LIST   global batch sizes to try, largest first (default: data.batch_size)\n"
+          "  --memory-limit SIZE  per-rank tensor memory budget, e.g. 2GiB (training.memory_limit)\n"
+          "  --nproc N            worker processes per job (default 2)\n"
+          "  --steps N            training steps per job (default 6)\n"
+          "  --warmup N           first steps left out of the averages (default 2)\n"
+          "  --out DIR            output directory (default runs/bench)\n"
+          "  --no-plot            skip throughput.png\n",
           kConfigFlags);
       return 0;
     } else if (f == "--config") {
@@ -244,17 +268,15 @@ int cmd_bench(int argc, char** argv, int first) {
       strategies_given = true;
     } else if (f == "--point") {
       points.push_back(next());
+    } else if (f == "--vision-tokens") {
+      o.vision_tokens = parse_int_list(f, next());
     } else if (f == "--image-sides") {
-      o.image_sides.clear();
-      std::string v = next(), cur;
-      for (char c : v + ",") {
-        if (c == ',') {
-          if (!cur.empty()) o.image_sides.push_back(parse_int("--image-sides", cur));
-          cur.clear();
-        } else {
-          cur += c;
-        }
-      }
+      sides = parse_int_list(f, next());
+    } else if (f == "--batch-sizes") {
+      o.batch_sizes = parse_int_list(f, next());
+    } else if (f == "--memory-limit") {
+      o.memory_limit = next();
+      dhp::parse_bytes(o.memory_limit, "--memory-limit");
     } else if (f == "--nproc") {
       o.nproc = parse_int(f, next());
     } else if (f == "--steps") {
@@ -263,13 +285,27 @@ int cmd_bench(int argc, char** argv, int first) {
       o.warmup = parse_int(f, next());
     } else if (f == "--out") {
       o.out = next();
+    } else if (f == "--no-plot") {
+      o.plot = false;
     } else {
       DHP_FAIL("unknown option '", flags.raw(), "' (see dhp bench --help)");
     }
   }
+  if (!sides.empty()) {
+    const auto cfg = dhp::load_config(o.config, o.sets);
+    const int64_t patch = cfg.model.config.vision.patch_size;
+    o.vision_tokens.clear();
+    for (auto s : sides) {
+      DHP_CHECK(s > 0 && s % (2 * patch) == 0, "--image-sides ", s, " is not a positive multiple of ", 2 * patch);
+      o.vision_tokens.push_back((s / patch) * (s / patch));
+    }
+  }
   if (!points.empty() && !strategies_given) strategies.clear();
   o.points = dhp::bench::parse_points(strategies, points);
-  return dhp::bench::run(o);
+  const auto results = dhp::bench::run(o);
+  for (const auto& r : results)
+    if (!r.ok() && !r.oom) return 1;  // a point failed for another reason than memory
+  return 0;
 }
 
 void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {

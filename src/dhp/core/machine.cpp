@@ -1,6 +1,10 @@
 #include "dhp/core/machine.h"
 
 #include <dlfcn.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
 
 #include <cstdlib>
 #include <fstream>
@@ -46,6 +50,28 @@ std::string blas_hint() {
   if (want.empty()) return "";
   return hint + "; fp32 GEMMs may run several times faster with OPENBLAS_CORETYPE=" + want +
          " in the environment";
+}
+
+double gemm_gflops(c10::ScalarType dtype, int64_t n, int reps) {
+  auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
+  torch::NoGradGuard no_grad;
+  torch::matmul(a, b);  // warm-up
+  double best = 0;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto c = torch::matmul(a, b);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * static_cast<double>(n * n * n) / s / 1e9);
+  }
+  return best;
+}
+
+double gemm_peak_gflops(c10::ScalarType dtype, bool quick) {
+  double best = 0;
+  for (int64_t n : quick ? std::vector<int64_t>{1024} : std::vector<int64_t>{512, 1024, 2048}) {
+    best = std::max(best, gemm_gflops(dtype, n, quick ? 2 : 4));
+  }
+  return best;
 }
 
 }  // namespace dhp

@@ -1,6 +1,9 @@
 // What this process runs on: CPU threads and the BLAS behind libtorch's fp32 GEMMs.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
 #include <string>
 
 namespace dhp {
@@ -10,5 +13,11 @@ std::string blas_description();
 // Non-empty when the BLAS runs slow generic kernels (OpenBLAS detected a generic CPU, as under
 // some hypervisors): a hint saying how to select the right kernels. dhp never sets it itself.
 std::string blas_hint();
+
+// Best GFLOP/s of an n x n x n matmul in `dtype` over `reps` timed runs (after a warm-up),
+// with this process's intra-op threads.
+double gemm_gflops(c10::ScalarType dtype, int64_t n, int reps);
+// The GEMM peak: the best of gemm_gflops over square sizes 512, 1024, 2048 (1024 only when quick).
+double gemm_peak_gflops(c10::ScalarType dtype, bool quick = false);
 
 }  // namespace dhp

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "dhp/core/error.h"
+#include "dhp/nn/layers.h"
 #include "dhp/parallel/ulysses.h"
 
 namespace dhp::parallel {
@@ -97,16 +98,27 @@ void parallelize_vision_sp(qwen::Qwen2_5_VLImpl& model, const dist::Group& sp, i
     const std::set<int64_t> full(c.fullatt_block_indexes.begin(), c.fullatt_block_indexes.end());
     for (int64_t i = 0; i < c.depth; ++i) {
       auto block = vt->blocks->ptr<qwen::VisionBlockImpl>(i);
-      qwen::VisionAttnInputs in{cos, sin, full.count(i) ? plan.cu_seqlens : win_cu};
-      const auto saved = block->attn->core;
-      if (full.count(i)) {
-        block->attn->core = [g, rows, block_size](const torch::Tensor& q, const torch::Tensor& k,
-                                                 const torch::Tensor& v, const std::vector<int64_t>& cu, bool causal) {
-          return ulysses_attention(q, k, v, cu, causal, g, rows, block_size);
-        };
-      }
-      h = block->forward(h, in);
-      block->attn->core = saved;
+      const bool is_full = full.count(i) > 0;
+      qwen::VisionAttnInputs in{cos, sin, is_full ? plan.cu_seqlens : win_cu};
+      // A full-attention block attends through Ulysses; the swap lives inside the function so
+      // that a checkpointed block's recomputation in backward uses it too.
+      auto run = [block, in, is_full, g, rows, block_size](const torch::Tensor& x) {
+        const auto saved = block->attn->core;
+        struct Restore {
+          qwen::VisionBlockImpl* b;
+          decltype(saved) core;
+          ~Restore() { b->attn->core = core; }
+        } restore{block.get(), saved};
+        if (is_full) {
+          block->attn->core = [g, rows, block_size](const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v, const std::vector<int64_t>& cu,
+                                                   bool causal) {
+            return ulysses_attention(q, k, v, cu, causal, g, rows, block_size);
+          };
+        }
+        return block->forward(x, in);
+      };
+      h = vt->activation_checkpointing && torch::GradMode::is_enabled() ? dhp::nn::checkpoint(run, h) : run(h);
     }
     auto merged = vt->merger(h);  // (S_local/unit, out) window order [sharded]
     std::vector<int64_t> merged_rows;

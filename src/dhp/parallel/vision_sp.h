@@ -4,8 +4,9 @@
 // use ulysses_attention over whole images; each rank merges its own rows and the merged
 // embeddings are all-gathered (ragged) and put back in processor order.
 // Parameters stay replicated; their gradients are partial per rank and must be summed
-// over the SP group (all_reduce_grads) before the optimizer step. Activation
-// checkpointing of the vision blocks is not supported under SP yet.
+// over the SP group (all_reduce_grads) before the optimizer step. With the tower's
+// activation checkpointing on, each block is recomputed in backward (Ulysses all-to-alls
+// included, in the same order on every SP rank).
 #pragma once
 
 #include <vector>

@@ -110,13 +110,20 @@ Layouts resolve_layouts(const Config& cfg, int64_t world) {
               " samples per micro-batch, but data.batch_size=", cfg.data.batch_size, " / training.micro_batches=",
               cfg.training.micro_batches, " gives ", smallest);
   }
-  // Sequence parallelism needs a window per rank: guaranteed with one image per rank.
+  // Sequence parallelism needs a window per rank: count the windows of the smallest images.
   if (l.vision.sp > 1) {
+    const auto& v = cfg.model.config.vision;
+    const int64_t unit = v.patch_size * v.spatial_merge_size;
+    const int64_t side = unit * ((cfg.data.min_side + unit - 1) / unit);  // smallest image side
+    const int64_t per_side = (side + v.window_size - 1) / v.window_size;
     const int64_t images = smallest / l.vision.dp;
-    DHP_CHECK(images >= l.vision.sp, "parallel.vision.sp=", l.vision.sp, " needs at least one attention window per ",
-              "rank, guaranteed by one image per rank, but a vision replica gets as few as ", images,
-              " images per micro-batch (data.batch_size=", cfg.data.batch_size, ", training.micro_batches=",
-              cfg.training.micro_batches, ", vision dp=", l.vision.dp, ")");
+    const int64_t windows = images * per_side * per_side;
+    DHP_CHECK(windows >= l.vision.sp, "parallel.vision.sp=", l.vision.sp, " needs at least one attention window per ",
+              "rank, but a vision replica may get only ", windows, " window(s) per micro-batch: ", images,
+              " image(s) (data.batch_size=", cfg.data.batch_size, ", training.micro_batches=",
+              cfg.training.micro_batches, ", vision dp=", l.vision.dp, ") of at least ", side, "x", side, " px (",
+              per_side * per_side, " window(s) of ", v.window_size, " px each); use larger images, more samples or a "
+              "smaller sp");
   }
   return l;
 }

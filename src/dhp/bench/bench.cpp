@@ -1,0 +1,316 @@
+#include "dhp/bench/bench.h"
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "dhp/bench/report.h"
+#include "dhp/core/error.h"
+#include "dhp/core/machine.h"
+#include "dhp/train/config.h"
+#include "dhp/train/parallel_model.h"
+
+namespace dhp::bench {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char c : s + sep) {
+    if (c != sep) {
+      cur += c;
+    } else if (!cur.empty()) {
+      out.push_back(cur);
+      cur.clear();
+    }
+  }
+  return out;
+}
+
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / static_cast<double>(v.size());
+}
+
+// Runs `binary` with argv, stdout and stderr into `log`; returns the wait status.
+int run_logged(const std::string& binary, const std::vector<std::string>& argv, const fs::path& log) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const pid_t pid = ::fork();
+  DHP_CHECK(pid >= 0, "fork failed: ", std::strerror(errno));
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+      ::close(fd);
+    }
+    ::execv(binary.c_str(), args.data());
+    std::fprintf(stderr, "dhp bench: cannot run %s: %s\n", binary.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return status;
+}
+
+// The job's error: the launcher's "rank R failed" line, else the last line naming an error.
+std::string job_error(const fs::path& log) {
+  std::ifstream f(log);
+  std::string line, failed, error;
+  while (std::getline(f, line)) {
+    if (line.find("failed (") != std::string::npos) failed = line;
+    if (line.find("error") != std::string::npos) error = line;
+  }
+  if (!failed.empty()) return failed;
+  return error.empty() ? "failed; see " + log.string() : error;
+}
+
+std::string fmt_eta(double s) {
+  char buf[32];
+  const int t = static_cast<int>(s + 0.5);
+  std::snprintf(buf, sizeof(buf), "%dm%02ds", t / 60, t % 60);
+  return buf;
+}
+
+}  // namespace
+
+double RunMetrics::comm_fraction() const { return step_time_s > 0 ? mean(comm_s_per_rank) / step_time_s : 0; }
+
+double RunMetrics::idle_fraction(const std::vector<int64_t>& ranks) const {
+  double s = 0;
+  int64_t n = 0;
+  for (auto r : ranks) {
+    if (r < 0 || r >= static_cast<int64_t>(idle_s_per_rank.size())) continue;
+    s += idle_s_per_rank[static_cast<size_t>(r)] / step_time_s;
+    ++n;
+  }
+  return n ? s / static_cast<double>(n) : 0;
+}
+
+double RunMetrics::max_peak_bytes() const {
+  return peak_bytes_per_rank.empty() ? 0 : *std::max_element(peak_bytes_per_rank.begin(), peak_bytes_per_rank.end());
+}
+
+const char* outcome_name(Outcome o) {
+  switch (o) {
+    case Outcome::kOk: return "ok";
+    case Outcome::kOom: return "oom";
+    case Outcome::kInvalid: return "invalid";
+    case Outcome::kFailed: return "failed";
+  }
+  return "?";
+}
+
+double PointResult::throughput() const {
+  if (!ok() || metrics.step_time_s <= 0) return 0;
+  return static_cast<double>(vision_tokens * batch_size) / metrics.step_time_s;
+}
+
+std::vector<Point> parse_points(const std::string& strategies, const std::vector<std::string>& custom) {
+  std::vector<Point> out;
+  for (const auto& s : split(strategies, ',')) out.push_back({s, {"parallel.strategy=" + s}});
+  for (const auto& c : custom) {
+    const auto colon = c.find(':');
+    DHP_CHECK(colon != std::string::npos && colon > 0, "--point '", c,
+              "' must be NAME:KEY=VALUE[;KEY=VALUE...], e.g. 'seq:parallel.pipeline=false'");
+    Point p{c.substr(0, colon), split(c.substr(colon + 1), ';')};
+    for (const auto& kv : p.sets) {
+      DHP_CHECK(kv.find('=') != std::string::npos, "--point '", c, "': '", kv, "' is not KEY=VALUE");
+    }
+    out.push_back(p);
+  }
+  DHP_CHECK(!out.empty(), "nothing to measure: give --strategies and/or --point");
+  for (size_t i = 0; i < out.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      DHP_CHECK(out[i].name != out[j].name, "two points are named '", out[i].name, "'");
+  return out;
+}
+
+int64_t image_side_for(int64_t vision_tokens, int64_t patch_size, int64_t merge_size) {
+  const auto grid = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(std::max<int64_t>(0, vision_tokens)))));
+  DHP_CHECK(vision_tokens > 0 && grid * grid == vision_tokens && grid % merge_size == 0, "vision tokens ",
+            vision_tokens, " is not the square of a multiple of ", merge_size, " patches (e.g. ",
+            4 * merge_size * merge_size * 16, " = ", 4 * merge_size, "x", 4 * merge_size,
+            "): images are squares of whole ", merge_size, "x", merge_size, " merge windows");
+  return grid * patch_size;
+}
+
+void search_batch(std::vector<int64_t> batch_sizes, const std::function<Attempt(int64_t)>& run, PointResult& r) {
+  std::sort(batch_sizes.begin(), batch_sizes.end(), std::greater<int64_t>());
+  batch_sizes.erase(std::unique(batch_sizes.begin(), batch_sizes.end()), batch_sizes.end());
+  DHP_CHECK(!batch_sizes.empty(), "no batch size to try");
+  for (auto b : batch_sizes) {
+    DHP_CHECK(b >= 1, "batch size ", b, " must be >= 1");
+    Attempt a = run(b);
+    a.batch_size = b;
+    r.attempts.push_back(a);
+    if (a.outcome == Outcome::kOk) {
+      r.batch_size = b;
+      r.metrics = a.metrics;
+      r.oom = false;
+      r.error.clear();
+      return;
+    }
+  }
+  r.batch_size = 0;
+  r.oom = std::any_of(r.attempts.begin(), r.attempts.end(), [](const Attempt& a) { return a.outcome == Outcome::kOom; });
+  // The reason to show: the first real failure, else the smallest batch's refusal.
+  r.error.clear();
+  for (const auto& a : r.attempts)
+    if (a.outcome == Outcome::kFailed && r.error.empty()) r.error = a.message;
+  if (r.error.empty() && !r.oom) r.error = r.attempts.back().message;
+}
+
+RunMetrics read_metrics(const std::string& path, int64_t warmup) {
+  std::ifstream f(path);
+  DHP_CHECK(f.good(), "no metrics at ", path);
+  RunMetrics r;
+  std::string line;
+  std::vector<double> step_s, patches_s, tokens_s, flops;
+  std::vector<std::vector<double>> comm, busy, idle;
+  auto add = [](std::vector<std::vector<double>>& to, const std::vector<double>& v) {
+    if (to.size() < v.size()) to.resize(v.size());
+    for (size_t k = 0; k < v.size(); ++k) to[k].push_back(v[k]);
+  };
+  int64_t lineno = 0;
+  while (std::getline(f, line)) {
+    ++lineno;
+    if (line.empty()) continue;
+    YAML::Node n;
+    try {
+      n = YAML::Load(line);
+      if (n["step"].as<int64_t>() <= warmup) continue;
+      step_s.push_back(n["step_time_s"].as<double>());
+      patches_s.push_back(n["patches_per_s"].as<double>());
+      tokens_s.push_back(n["tokens_per_s"].as<double>());
+      flops.push_back(n["model_flops"].as<double>());
+      const auto peak = n["peak_bytes_per_rank"].as<std::vector<double>>();
+      if (r.peak_bytes_per_rank.size() < peak.size()) r.peak_bytes_per_rank.resize(peak.size(), 0);
+      for (size_t k = 0; k < peak.size(); ++k) r.peak_bytes_per_rank[k] = std::max(r.peak_bytes_per_rank[k], peak[k]);
+      add(comm, n["comm_s_per_rank"].as<std::vector<double>>());
+      add(busy, n["busy_s_per_rank"].as<std::vector<double>>());
+      add(idle, n["idle_s_per_rank"].as<std::vector<double>>());
+    } catch (const YAML::Exception& e) {
+      DHP_FAIL(path, ":", lineno, ": not a metrics line (", e.what(), ")");
+    }
+  }
+  DHP_CHECK(!step_s.empty(), path, " has no step after the ", warmup, " warm-up steps");
+  r.steps_measured = static_cast<int64_t>(step_s.size());
+  r.step_time_s = mean(step_s);
+  r.patches_per_s = mean(patches_s);
+  r.tokens_per_s = mean(tokens_s);
+  r.model_flops = mean(flops);
+  for (auto& c : comm) r.comm_s_per_rank.push_back(mean(c));
+  for (auto& b : busy) r.busy_s_per_rank.push_back(mean(b));
+  for (auto& i : idle) r.idle_s_per_rank.push_back(mean(i));
+  return r;
+}
+
+std::vector<PointResult> run(const Options& o) {
+  DHP_CHECK(o.steps > o.warmup, "--steps ", o.steps, " must exceed --warmup ", o.warmup);
+  DHP_CHECK(o.warmup >= 0, "--warmup must be >= 0, got ", o.warmup);
+  DHP_CHECK(o.nproc >= 1, "--nproc must be >= 1, got ", o.nproc);
+  DHP_CHECK(!o.vision_tokens.empty(), "no vision length to measure");
+  const auto base = load_config(o.config, o.sets);
+  const auto& vc = base.model.config.vision;
+  std::vector<int64_t> sides;
+  for (auto t : o.vision_tokens) sides.push_back(image_side_for(t, vc.patch_size, vc.spatial_merge_size));
+  const auto batches = o.batch_sizes.empty() ? std::vector<int64_t>{base.data.batch_size} : o.batch_sizes;
+  fs::create_directories(o.out);
+  const bool bf16 = base.training.precision == "bf16";
+  if (!o.quiet) std::fprintf(stderr, "dhp bench: measuring the %s GEMM peak...\n", bf16 ? "bf16" : "fp32");
+  const double peak = gemm_peak_gflops(bf16 ? c10::ScalarType::BFloat16 : c10::ScalarType::Float);
+
+  std::vector<PointResult> results;
+  const size_t total = o.points.size() * o.vision_tokens.size();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto& p : o.points) {
+    for (size_t v = 0; v < o.vision_tokens.size(); ++v) {
+      PointResult r;
+      r.name = p.name;
+      r.vision_tokens = o.vision_tokens[v];
+      r.image_side = sides[v];
+      r.sets = o.sets;
+      r.sets.insert(r.sets.end(), p.sets.begin(), p.sets.end());
+      for (const auto& s : {"data.min_side=" + std::to_string(r.image_side),
+                            "data.max_side=" + std::to_string(r.image_side),
+                            "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0")}) {
+        r.sets.push_back(s);
+      }
+      if (!o.memory_limit.empty()) r.sets.push_back("training.memory_limit=" + o.memory_limit);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const size_t done = results.size();
+      auto attempt = [&](int64_t batch) {
+        Attempt a;
+        auto sets = r.sets;
+        sets.push_back("data.batch_size=" + std::to_string(batch));
+        try {
+          const auto layouts = train::resolve_layouts(load_config(o.config, sets), o.nproc);
+          r.layout = train::describe(layouts);
+          r.vision_ranks = layouts.vision.ranks;
+          r.text_ranks = layouts.text.ranks;
+        } catch (const Error& e) {
+          a.outcome = Outcome::kInvalid;
+          a.message = e.what();
+          return a;
+        }
+        if (!o.quiet) {
+          std::fprintf(stderr, "[%zu/%zu] %s, %lld patches/image (%lld px), batch %lld%s\n", done + 1, total,
+                       p.name.c_str(), static_cast<long long>(r.vision_tokens), static_cast<long long>(r.image_side),
+                       static_cast<long long>(batch),
+                       done ? (", ETA " + fmt_eta(elapsed / static_cast<double>(done) *
+                                                  static_cast<double>(total - done))).c_str()
+                            : "");
+        }
+        const fs::path dir = fs::path(o.out) / "runs" /
+                             (p.name + "_" + std::to_string(r.vision_tokens) + "_b" + std::to_string(batch));
+        fs::create_directories(dir);
+        std::vector<std::string> argv = {"dhp", "train", "--nproc", std::to_string(o.nproc), "--out", dir.string()};
+        if (!o.config.empty()) argv.insert(argv.end(), {"--config", o.config});
+        for (const auto& s : sets) argv.insert(argv.end(), {"--set", s});
+        const int status = run_logged(o.binary, argv, dir / "log.txt");
+        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+          a.message = job_error(dir / "log.txt");
+          a.outcome = a.message.find("out of memory") != std::string::npos ? Outcome::kOom : Outcome::kFailed;
+        } else {
+          try {
+            a.metrics = read_metrics((dir / "metrics.jsonl").string(), o.warmup);
+            a.outcome = Outcome::kOk;
+          } catch (const std::exception& e) {
+            a.message = e.what();
+          }
+        }
+        if (!o.quiet && a.outcome != Outcome::kOk) {
+          std::fprintf(stderr, "  %s: %s\n", outcome_name(a.outcome), a.message.c_str());
+        }
+        return a;
+      };
+      search_batch(batches, attempt, r);
+      results.push_back(r);
+    }
+  }
+  const std::string table = markdown(results, o, peak);
+  std::printf("%s", table.c_str());
+  std::ofstream(fs::path(o.out) / "table.md") << table;
+  write_json(results, o, peak, base, (fs::path(o.out) / "results.json").string());
+  if (o.plot) plot_throughput(results, o, (fs::path(o.out) / "throughput.png").string());
+  return results;
+}
+
+}  // namespace dhp::bench

@@ -1,0 +1,104 @@
+// dhp bench: the throughput-vs-vision-length study of the reference system, and any
+// side-by-side comparison of strategies and placements, measured in one run.
+//
+// Every (point, vision length) runs as `dhp train --nproc N` jobs of its own (own worker
+// processes, so a point that fails or runs out of memory is recorded and the sweep goes
+// on). For each one the batch sizes are tried from the largest down and the largest that
+// fits the per-rank memory limit is kept; a point where none fits is recorded as OOM.
+// Throughput is the reference's metric: vision patches per image x batch size / mean step
+// time over the steps after the warm-up.
+//
+// Outputs under Options::out: results.json (every point and attempt, every figure, the
+// settings and the machine), table.md (the reference-style table with dhp/tp and dhp/zero3
+// ratios, then the detail per point), throughput.png (gnuplot, when installed), and one run
+// directory per attempt (metrics.jsonl, log.txt).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dhp::bench {
+
+// One thing to measure: a name and the config keys that make it.
+struct Point {
+  std::string name;
+  std::vector<std::string> sets;  // KEY=VALUE
+};
+
+struct Options {
+  std::string binary = "/proc/self/exe";   // the dhp binary the jobs run
+  std::string config;                      // base config file (may be empty)
+  std::vector<std::string> sets;           // base --set overrides
+  std::vector<Point> points;
+  std::vector<int64_t> vision_tokens{64, 256};  // patches per image (square images)
+  std::vector<int64_t> batch_sizes;        // tried largest first; empty: data.batch_size of the config
+  std::string memory_limit;                // per-rank budget, e.g. 2GiB (empty: the config's)
+  int64_t nproc = 2;
+  int64_t steps = 6;                       // steps per job
+  int64_t warmup = 2;                      // first steps left out of the averages
+  std::string out = "runs/bench";
+  bool plot = true;                        // draw throughput.png with gnuplot when available
+  bool quiet = false;                      // no progress lines
+};
+
+// Figures of one finished job, averaged over the steps after the warm-up.
+struct RunMetrics {
+  int64_t steps_measured = 0;
+  double step_time_s = 0, patches_per_s = 0, tokens_per_s = 0;
+  double model_flops = 0;  // per step, whole job
+  std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
+  double comm_fraction() const;          // mean over ranks of comm time / step time
+  double idle_fraction(const std::vector<int64_t>& ranks) const;
+  double max_peak_bytes() const;
+};
+
+enum class Outcome { kOk, kOom, kInvalid, kFailed };
+const char* outcome_name(Outcome o);
+
+struct Attempt {
+  int64_t batch_size = 0;
+  Outcome outcome = Outcome::kFailed;
+  std::string message;  // error or reason (empty when ok)
+  RunMetrics metrics;
+};
+
+struct PointResult {
+  std::string name, layout;
+  int64_t vision_tokens = 0, image_side = 0;
+  std::vector<std::string> sets;
+  std::vector<int64_t> vision_ranks, text_ranks;
+  int64_t batch_size = 0;  // the largest that ran; 0 when none did
+  bool oom = false;        // nothing ran and at least one batch ran out of memory
+  std::string error;       // why nothing ran (when not only OOM)
+  RunMetrics metrics;      // of the kept batch
+  std::vector<Attempt> attempts;
+  bool ok() const { return batch_size > 0; }
+  // Vision patches per image x batch / step time (the reference's metric); 0 when none ran.
+  double throughput() const;
+};
+
+// Points from "--strategies a,b" (each parallel.strategy=NAME) and "--point NAME:K=V;K=V".
+std::vector<Point> parse_points(const std::string& strategies, const std::vector<std::string>& custom);
+
+// Square image side in pixels whose patch grid gives `vision_tokens` patches: the side is a
+// multiple of patch * merge. Throws naming the value when no such square exists.
+int64_t image_side_for(int64_t vision_tokens, int64_t patch_size, int64_t merge_size);
+
+// Tries `batch_sizes` from the largest down, calling `run` for each until one runs (kOk);
+// out-of-memory and invalid (layout refused for that batch) attempts move on to the next
+// smaller; other failures too, recorded. Fills batch_size, oom, error, metrics, attempts.
+void search_batch(std::vector<int64_t> batch_sizes, const std::function<Attempt(int64_t)>& run, PointResult& r);
+
+// Reads a job's metrics.jsonl, averaging the steps after `warmup`.
+RunMetrics read_metrics(const std::string& path, int64_t warmup);
+
+// Runs the sweep; prints progress (stderr) and the table (stdout); writes the outputs.
+// Returns the results.
+std::vector<PointResult> run(const Options& o);
+
+// The reference-style table and the detail table, as markdown.
+std::string markdown(const std::vector<PointResult>& results, const Options& o, double gemm_peak_gflops);
+
+}  // namespace dhp::bench

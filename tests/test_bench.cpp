@@ -1,0 +1,165 @@
+// dhp bench's sweep logic: vision lengths to image sides, the batch-size search (largest
+// that fits, OOM recorded, refusals and failures), the metric arithmetic from metrics.jsonl,
+// the table's ratios, and one real sweep on a tiny model where a memory limit between two
+// batches' measured peaks makes the search keep the smaller one.
+#include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "dhp/bench/bench.h"
+#include "dhp/core/error.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using dhp::bench::Attempt;
+using dhp::bench::Outcome;
+using dhp::bench::PointResult;
+
+TEST(Bench, VisionTokensMapToSquareImages) {
+  EXPECT_EQ(dhp::bench::image_side_for(1024, 14, 2), 448);    // 32 x 32 patches
+  EXPECT_EQ(dhp::bench::image_side_for(65536, 14, 2), 3584);  // 256 x 256
+  EXPECT_EQ(dhp::bench::image_side_for(64, 14, 2), 112);
+  for (int64_t bad : {1000, 25, 0, -4}) {
+    try {
+      dhp::bench::image_side_for(bad, 14, 2);
+      ADD_FAILURE() << bad << " accepted";
+    } catch (const dhp::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("vision tokens " + std::to_string(bad)), std::string::npos) << e.what();
+    }
+  }
+}
+
+Attempt outcome(Outcome o, double step_s = 1.0) {
+  Attempt a;
+  a.outcome = o;
+  a.message = dhp::bench::outcome_name(o);
+  a.metrics.step_time_s = step_s;
+  return a;
+}
+
+TEST(Bench, SearchKeepsTheLargestBatchThatFits) {
+  PointResult r;
+  r.vision_tokens = 100;
+  std::vector<int64_t> tried;
+  dhp::bench::search_batch({1, 8, 2, 4}, [&](int64_t b) {
+    tried.push_back(b);
+    return outcome(b > 2 ? Outcome::kOom : Outcome::kOk, 0.5);
+  }, r);
+  EXPECT_EQ(tried, (std::vector<int64_t>{8, 4, 2}));  // largest first, stops at the first fit
+  EXPECT_EQ(r.batch_size, 2);
+  EXPECT_FALSE(r.oom);
+  EXPECT_DOUBLE_EQ(r.throughput(), 100.0 * 2 / 0.5);
+  ASSERT_EQ(r.attempts.size(), 3u);
+  EXPECT_EQ(r.attempts[0].outcome, Outcome::kOom);
+}
+
+TEST(Bench, NothingFitsIsRecordedAsOom) {
+  PointResult r;
+  dhp::bench::search_batch({4, 2, 1}, [&](int64_t b) { return outcome(b == 1 ? Outcome::kInvalid : Outcome::kOom); }, r);
+  EXPECT_EQ(r.batch_size, 0);
+  EXPECT_TRUE(r.oom);
+  EXPECT_EQ(r.throughput(), 0);
+  EXPECT_EQ(r.attempts.size(), 3u);
+}
+
+TEST(Bench, FailuresAndRefusalsAreRecordedNotFatal) {
+  PointResult a;
+  dhp::bench::search_batch({8, 4}, [&](int64_t b) { return outcome(b == 8 ? Outcome::kFailed : Outcome::kOk); }, a);
+  EXPECT_EQ(a.batch_size, 4);
+  EXPECT_TRUE(a.error.empty());
+  PointResult b;
+  dhp::bench::search_batch({2, 1}, [&](int64_t) { return outcome(Outcome::kInvalid); }, b);
+  EXPECT_EQ(b.batch_size, 0);
+  EXPECT_FALSE(b.oom);
+  EXPECT_EQ(b.error, "invalid");
+}
+
+TEST(Bench, MetricsAreAveragedAfterTheWarmUp) {
+  const auto path = fs::temp_directory_path() / ("dhp-bench-metrics-" + std::to_string(::getpid()) + ".jsonl");
+  {
+    std::ofstream f(path);
+    for (int s = 1; s <= 4; ++s) {
+      f << "{\"step\": " << s << ", \"step_time_s\": " << s << ", \"patches_per_s\": " << 10 * s
+        << ", \"tokens_per_s\": " << 100 * s << ", \"model_flops\": 1e9, \"peak_bytes_per_rank\": [" << s << ", "
+        << 5 - s << "], \"comm_s_per_rank\": [0.5, 1.5], \"busy_s_per_rank\": [1, 2], \"idle_s_per_rank\": [0, "
+        << 0.1 * s << "]}\n";
+    }
+  }
+  const auto m = dhp::bench::read_metrics(path.string(), 2);
+  fs::remove(path);
+  EXPECT_EQ(m.steps_measured, 2);
+  EXPECT_DOUBLE_EQ(m.step_time_s, 3.5);  // steps 3 and 4
+  EXPECT_DOUBLE_EQ(m.patches_per_s, 35);
+  EXPECT_DOUBLE_EQ(m.tokens_per_s, 350);
+  EXPECT_EQ(m.peak_bytes_per_rank, (std::vector<double>{4, 2}));  // max over the measured steps
+  EXPECT_DOUBLE_EQ(m.comm_fraction(), 1.0 / 3.5);
+  EXPECT_NEAR(m.idle_fraction({1}), 0.35 / 3.5, 1e-12);
+  EXPECT_DOUBLE_EQ(m.idle_fraction({0}), 0);
+  EXPECT_THROW(dhp::bench::read_metrics(path.string(), 2), dhp::Error);  // gone: a clear error
+}
+
+TEST(Bench, TableShowsRatiosOfTheFirstPoint) {
+  auto point = [](const char* name, int64_t tokens, int64_t batch, double step_s) {
+    PointResult r;
+    r.name = name;
+    r.vision_tokens = tokens;
+    r.image_side = 112;
+    r.batch_size = batch;
+    r.metrics.step_time_s = step_s;
+    r.oom = batch == 0;
+    return r;
+  };
+  dhp::bench::Options o;
+  o.batch_sizes = {4, 2, 1};
+  const auto md = dhp::bench::markdown({point("dhp", 64, 4, 1.0), point("tp", 64, 4, 1.5), point("zero3", 64, 0, 0)},
+                                       o, 100.0);
+  EXPECT_NE(md.find("| 64 | 112 | 256 (4) | 171 (4) | OOM | 1.50 | - |"), std::string::npos) << md;
+}
+
+// A real sweep: 1 process, the demo model, 64 patches per image. First the peaks of batch 1
+// and 4 alone, then a limit halfway between them: the search must keep batch 1 and record
+// batch 4 as out of memory.
+std::string run_bench(const fs::path& out, const std::string& extra) {
+  const std::string cmd = std::string(DHP_BINARY) + " bench --strategies none --vision-tokens 64 --nproc 1 --steps 2" +
+                          " --warmup 1 --no-plot --out " + out.string() + " " + extra + " > " +
+                          (out / "stdout.txt").string() + " 2>&1";
+  fs::create_directories(out);
+  EXPECT_EQ(std::system(("timeout 300 " + cmd).c_str()), 0) << cmd;
+  std::ifstream f(out / "results.json");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+TEST(Bench, MemoryLimitMakesTheSearchKeepASmallerBatch) {
+  const auto dir = fs::temp_directory_path() / ("dhp-bench-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  auto peak = [&](const std::string& json) {
+    return YAML::Load(json)["points"][0]["peak_bytes_per_rank"][0].as<double>();
+  };
+  const double p1 = peak(run_bench(dir / "b1", "--batch-sizes 1"));
+  const double p4 = peak(run_bench(dir / "b4", "--batch-sizes 4"));
+  ASSERT_LT(p1, p4);
+  const auto limit = std::to_string(static_cast<int64_t>((p1 + p4) / 2));
+  const auto json = run_bench(dir / "both", "--batch-sizes 1,4 --memory-limit " + limit);
+  const auto point = YAML::Load(json)["points"][0];
+  EXPECT_EQ(point["batch_size"].as<int64_t>(), 1) << json;
+  EXPECT_FALSE(point["oom"].as<bool>());
+  EXPECT_EQ(point["attempts"][0]["batch_size"].as<int64_t>(), 4);
+  EXPECT_EQ(point["attempts"][0]["outcome"].as<std::string>(), "oom") << json;
+  EXPECT_GT(point["throughput"].as<double>(), 0);
+  // A limit below both: recorded as OOM, the sweep still finishes and writes its table.
+  const auto none = YAML::Load(run_bench(dir / "none", "--batch-sizes 1,4 --memory-limit 1MiB"))["points"][0];
+  EXPECT_TRUE(none["oom"].as<bool>());
+  EXPECT_EQ(none["batch_size"].as<int64_t>(), 0);
+  EXPECT_TRUE(fs::exists(dir / "none" / "table.md"));
+  fs::remove_all(dir);
+}
+
+}  // namespace
