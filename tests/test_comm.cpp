@@ -49,6 +49,34 @@ TEST(Comm, AllReduceGatherAndRaggedAllToAll) {
   });
 }
 
+// 16-bit floats: Gloo has no bf16, so Group sums them in fp32 and moves them as bits.
+TEST(Comm, Bf16CollectivesAndPointToPoint) {
+  run_ranks(2, [](int64_t r, const dhp::dist::Store& store) {
+    dhp::dist::Group g(store, "bf16", {0, 1}, r, kTestTimeout);
+    auto x = torch::tensor({1.5f, -2.25f, 3.0f}).mul(r + 1).to(torch::kBFloat16);  // exact in bf16
+    auto sum = x.clone();
+    g.all_reduce_sum_(sum);
+    EXPECT_EQ(sum.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(sum, torch::tensor({4.5f, -6.75f, 9.0f}).to(torch::kBFloat16)));
+    auto mx = x.clone();
+    g.all_reduce_max_(mx);
+    EXPECT_TRUE(torch::equal(mx, torch::tensor({3.0f, -2.25f, 6.0f}).to(torch::kBFloat16)));
+    auto ga = g.all_gather(x.view({1, 3}), 0);
+    EXPECT_EQ(ga.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(ga[1 - r], (r == 0 ? x * 2 : x / 2)));
+    auto a2a = g.all_to_all(torch::stack({x, x}), {1, 1}, {1, 1});
+    EXPECT_TRUE(torch::equal(a2a[r], x));
+    if (r == 0) {
+      g.send(x, 1, 7);
+      g.wait_sends();
+    } else {
+      auto got = torch::empty({3}, torch::kBFloat16);
+      g.recv(got, 0, 7);
+      EXPECT_TRUE(torch::equal(got, x / 2));
+    }
+  });
+}
+
 TEST(Comm, SubgroupsOfDisjointRanks) {
   run_ranks(4, [](int64_t r, const dhp::dist::Store& store) {
     const std::vector<int64_t> mine = r < 2 ? std::vector<int64_t>{0, 1} : std::vector<int64_t>{2, 3};

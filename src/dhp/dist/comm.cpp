@@ -60,6 +60,16 @@ struct CommTimer {
   }
 };
 
+// Gloo (libtorch 1.13) has no bfloat16 (nor int16): bf16 tensors travel as fp16 bit
+// patterns where the data only moves, and 16-bit floats are summed in fp32 (better than
+// a 16-bit sum anyway). NCCL takes them as they are.
+bool is_half(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
+}
+torch::Tensor as_bits(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
+}
+
 }  // namespace
 
 CommStats comm_stats() { return tls_stats; }
@@ -125,6 +135,12 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
 void Group::all_reduce_sum_(torch::Tensor& t) const {
   if (!impl_) return;
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  if (impl_->gloo && is_half(t)) {
+    auto wide = t.to(torch::kFloat32);
+    all_reduce_sum_(wide);
+    t.copy_(wide);
+    return;
+  }
   CommTimer timer(t);
   std::vector<torch::Tensor> v{t};
   impl_->with_pg([&](auto& pg) { pg.allreduce(v)->wait(); });
@@ -133,6 +149,12 @@ void Group::all_reduce_sum_(torch::Tensor& t) const {
 void Group::all_reduce_max_(torch::Tensor& t) const {
   if (!impl_) return;
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  if (impl_->gloo && is_half(t)) {
+    auto wide = t.to(torch::kFloat32);
+    all_reduce_max_(wide);
+    t.copy_(wide);
+    return;
+  }
   CommTimer timer(t);
   std::vector<torch::Tensor> v{t};
   c10d::AllreduceOptions o;
@@ -142,13 +164,15 @@ void Group::all_reduce_max_(torch::Tensor& t) const {
 
 torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {
   if (!impl_) return t;
-  auto in = t.contiguous();
+  const bool bits = impl_->gloo && is_half(t);
+  auto in = bits ? as_bits(t.contiguous()) : t.contiguous();
   CommTimer timer(in);
   std::vector<torch::Tensor> inputs{in};
   std::vector<std::vector<torch::Tensor>> outputs(1);
   for (int64_t i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(in));
   impl_->with_pg([&](auto& pg) { pg.allgather(outputs, inputs)->wait(); });
-  return torch::cat(outputs[0], dim);
+  auto out = torch::cat(outputs[0], dim);
+  return bits ? out.view(t.scalar_type()) : out;
 }
 
 torch::Tensor Group::all_to_all(const torch::Tensor& t, const std::vector<int64_t>& send_rows,
@@ -157,7 +181,8 @@ torch::Tensor Group::all_to_all(const torch::Tensor& t, const std::vector<int64_
             "all_to_all on group '", name_, "': ", send_rows.size(), " send and ", recv_rows.size(),
             " receive splits for ", size(), " members");
   if (!impl_) return t;
-  auto in = t.contiguous();
+  const bool bits = impl_->gloo && is_half(t);
+  auto in = bits ? as_bits(t.contiguous()) : t.contiguous();
   int64_t total = 0;
   for (auto r : recv_rows) total += r;
   auto shape = in.sizes().vec();
@@ -166,7 +191,7 @@ torch::Tensor Group::all_to_all(const torch::Tensor& t, const std::vector<int64_
   CommTimer timer(in);
   auto send = send_rows, recv = recv_rows;
   impl_->with_pg([&](auto& pg) { pg.alltoall_base(out, in, recv, send)->wait(); });
-  return out;
+  return bits ? out.view(t.scalar_type()) : out;
 }
 
 void Group::barrier() const {
@@ -179,7 +204,7 @@ void Group::send(const torch::Tensor& t, int64_t dst, int64_t tag) const {
             " (this is member ", rank_, " of ", size(), ")");
   DHP_CHECK(t.is_contiguous(), "send on group '", name_, "': the tensor must be contiguous");
   CommTimer timer(t);
-  auto keep = std::make_shared<std::vector<torch::Tensor>>(1, t);
+  auto keep = std::make_shared<std::vector<torch::Tensor>>(1, impl_->gloo ? as_bits(t) : t);
   auto work = impl_->with_pg([&](auto& pg) { return pg.send(*keep, static_cast<int>(dst), static_cast<int>(tag)); });
   const auto timeout = impl_->timeout;
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -191,7 +216,7 @@ void Group::recv(torch::Tensor& t, int64_t src, int64_t tag) const {
             " (this is member ", rank_, " of ", size(), ")");
   DHP_CHECK(t.is_contiguous(), "recv on group '", name_, "': the tensor must be contiguous");
   CommTimer timer(t);
-  std::vector<torch::Tensor> v{t};
+  std::vector<torch::Tensor> v{impl_->gloo ? as_bits(t) : t};
   auto work = impl_->with_pg([&](auto& pg) { return pg.recv(v, static_cast<int>(src), static_cast<int>(tag)); });
   work->wait(impl_->timeout);
 }
