@@ -201,6 +201,24 @@ TEST(StrategySchedules, PipelinedEqualsSequentialExactly) {
   }
 }
 
+// bf16 compute (fp32 masters): every named combination runs, its collectives carrying bf16
+// activations and gradients, and its losses stay within bf16 rounding of one process
+// (bf16 keeps 8 significant bits, ~4e-3 relative; sums in other orders differ by a few of
+// those). Tolerance 1e-2 relative, over 3 steps.
+TEST(StrategyPrecision, Bf16StrategiesTrackTheSingleProcessBf16Run) {
+  const std::vector<std::string> bf16 = {"training.precision=bf16"};
+  const auto ref = train_single(bf16);
+  for (const char* s : {"dhp", "tp", "zero3"}) {
+    const auto got = train_parallel({s, 2, {std::string("parallel.strategy=") + s}}, bf16);
+    ASSERT_EQ(got.losses.size(), ref.losses.size()) << s;
+    for (size_t i = 0; i < ref.losses.size(); ++i) {
+      EXPECT_NEAR(got.losses[i], ref.losses[i], 1e-2 * ref.losses[i]) << s << " step " << i + 1;
+      std::printf("[ bf16 %s ] step %zu loss %.6f vs %.6f (%.1e relative)\n", s, i + 1, got.losses[i], ref.losses[i],
+                  std::abs(got.losses[i] - ref.losses[i]) / ref.losses[i]);
+    }
+  }
+}
+
 TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {
   auto expect_error = [](const std::vector<std::string>& sets, int64_t world, const std::string& part) {
     try {
