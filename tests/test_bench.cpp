@@ -43,6 +43,17 @@ Attempt outcome(Outcome o, double step_s = 1.0) {
   return a;
 }
 
+TEST(Bench, PointsParseAndKeysTheSweepOwnsAreRefused) {
+  const auto p = dhp::bench::parse_points("dhp,tp", {"seq:parallel.strategy=dhp;parallel.pipeline=false"});
+  ASSERT_EQ(p.size(), 3u);
+  EXPECT_EQ(p[2].name, "seq");
+  EXPECT_EQ(p[2].sets, (std::vector<std::string>{"parallel.strategy=dhp", "parallel.pipeline=false"}));
+  EXPECT_THROW(dhp::bench::parse_points("", {"x:data.batch_size=2"}), dhp::Error);
+  EXPECT_THROW(dhp::bench::parse_points("", {"nocolon"}), dhp::Error);
+  EXPECT_THROW(dhp::bench::parse_points("dhp,dhp", {}), dhp::Error);
+  EXPECT_THROW(dhp::bench::parse_points("", {}), dhp::Error);
+}
+
 TEST(Bench, SearchKeepsTheLargestBatchThatFits) {
   PointResult r;
   r.vision_tokens = 100;

@@ -133,6 +133,13 @@ std::vector<Point> parse_points(const std::string& strategies, const std::vector
     for (const auto& kv : p.sets) {
       DHP_CHECK(kv.find('=') != std::string::npos, "--point '", c, "': '", kv, "' is not KEY=VALUE");
     }
+    for (const auto& kv : p.sets) {
+      const auto key = kv.substr(0, kv.find('='));
+      for (const char* reserved : {"data.batch_size", "data.min_side", "data.max_side", "training.steps"}) {
+        DHP_CHECK(key != reserved, "--point '", c, "' sets ", key, ", which the sweep controls (use --batch-sizes, ",
+                  "--vision-tokens, --steps)");
+      }
+    }
     out.push_back(p);
   }
   DHP_CHECK(!out.empty(), "nothing to measure: give --strategies and/or --point");
