@@ -18,7 +18,9 @@ class OutOfMemory : public Error {
   explicit OutOfMemory(const std::string& what) : Error(what) {}
 };
 
-// Installs the accounting allocator (idempotent). Call early in main or a test.
+// Installs the accounting allocator (idempotent). Call early in main or a test. Also tunes
+// glibc malloc for training (large blocks stay in the heap, freed memory is kept; see
+// memory.cpp): process-wide, like the allocator itself.
 void install_memory_accounting();
 bool memory_accounting_installed();
 
