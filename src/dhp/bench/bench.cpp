@@ -229,6 +229,65 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   return r;
 }
 
+namespace {
+
+// The point at one vision length, before any try: its keys and sizes.
+PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t side) {
+  PointResult r;
+  r.name = p.name;
+  r.vision_tokens = tokens;
+  r.image_side = side;
+  r.sets = o.sets;
+  r.sets.insert(r.sets.end(), p.sets.begin(), p.sets.end());
+  for (const auto& s : {"data.min_side=" + std::to_string(side), "data.max_side=" + std::to_string(side),
+                        "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0")}) {
+    r.sets.push_back(s);
+  }
+  if (!o.memory_limit.empty()) r.sets.push_back("training.memory_limit=" + o.memory_limit);
+  return r;
+}
+
+// One try of `r` at `batch`: refused before it starts when the layout cannot take the
+// batch, else a `dhp train` job in OUT/runs/<point>_<tokens>_b<batch>. Fills r's layout.
+Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::string& progress) {
+  Attempt a;
+  auto sets = r.sets;
+  sets.push_back("data.batch_size=" + std::to_string(batch));
+  try {
+    const auto layouts = train::resolve_layouts(load_config(o.config, sets), o.nproc);
+    r.layout = train::describe(layouts);
+    r.vision_ranks = layouts.vision.ranks;
+    r.text_ranks = layouts.text.ranks;
+  } catch (const Error& e) {
+    a.outcome = Outcome::kInvalid;
+    a.message = e.what();
+    return a;
+  }
+  if (!o.quiet) std::fprintf(stderr, "%s, batch %lld\n", progress.c_str(), static_cast<long long>(batch));
+  const fs::path dir =
+      fs::path(o.out) / "runs" / (r.name + "_" + std::to_string(r.vision_tokens) + "_b" + std::to_string(batch));
+  fs::create_directories(dir);
+  std::vector<std::string> argv = {"dhp", "train", "--nproc", std::to_string(o.nproc), "--out", dir.string()};
+  if (!o.config.empty()) argv.insert(argv.end(), {"--config", o.config});
+  for (const auto& s : sets) argv.insert(argv.end(), {"--set", s});
+  const int status = run_logged(o.binary, argv, dir / "log.txt");
+  if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+    a.message = job_error(dir / "log.txt");
+    a.outcome = a.message.find("out of memory") != std::string::npos ? Outcome::kOom : Outcome::kFailed;
+  } else {
+    try {
+      a.metrics = read_metrics((dir / "metrics.jsonl").string(), o.warmup);
+      a.outcome = Outcome::kOk;
+    } catch (const std::exception& e) {
+      a.message = e.what();
+    }
+  }
+  if (!o.quiet && a.outcome != Outcome::kOk) std::fprintf(stderr, "  %s: %s\n", outcome_name(a.outcome), a.message.c_str());
+  return a;
+}
+
+}  // namespace
+
 std::vector<PointResult> run(const Options& o) {
   DHP_CHECK(o.steps > o.warmup, "--steps ", o.steps, " must exceed --warmup ", o.warmup);
   DHP_CHECK(o.warmup >= 0, "--warmup must be >= 0, got ", o.warmup);
@@ -249,66 +308,14 @@ std::vector<PointResult> run(const Options& o) {
   const auto t0 = std::chrono::steady_clock::now();
   for (const auto& p : o.points) {
     for (size_t v = 0; v < o.vision_tokens.size(); ++v) {
-      PointResult r;
-      r.name = p.name;
-      r.vision_tokens = o.vision_tokens[v];
-      r.image_side = sides[v];
-      r.sets = o.sets;
-      r.sets.insert(r.sets.end(), p.sets.begin(), p.sets.end());
-      for (const auto& s : {"data.min_side=" + std::to_string(r.image_side),
-                            "data.max_side=" + std::to_string(r.image_side),
-                            "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0")}) {
-        r.sets.push_back(s);
-      }
-      if (!o.memory_limit.empty()) r.sets.push_back("training.memory_limit=" + o.memory_limit);
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto r = make_point(o, p, o.vision_tokens[v], sides[v]);
       const size_t done = results.size();
-      auto attempt = [&](int64_t batch) {
-        Attempt a;
-        auto sets = r.sets;
-        sets.push_back("data.batch_size=" + std::to_string(batch));
-        try {
-          const auto layouts = train::resolve_layouts(load_config(o.config, sets), o.nproc);
-          r.layout = train::describe(layouts);
-          r.vision_ranks = layouts.vision.ranks;
-          r.text_ranks = layouts.text.ranks;
-        } catch (const Error& e) {
-          a.outcome = Outcome::kInvalid;
-          a.message = e.what();
-          return a;
-        }
-        if (!o.quiet) {
-          std::fprintf(stderr, "[%zu/%zu] %s, %lld patches/image (%lld px), batch %lld%s\n", done + 1, total,
-                       p.name.c_str(), static_cast<long long>(r.vision_tokens), static_cast<long long>(r.image_side),
-                       static_cast<long long>(batch),
-                       done ? (", ETA " + fmt_eta(elapsed / static_cast<double>(done) *
-                                                  static_cast<double>(total - done))).c_str()
-                            : "");
-        }
-        const fs::path dir = fs::path(o.out) / "runs" /
-                             (p.name + "_" + std::to_string(r.vision_tokens) + "_b" + std::to_string(batch));
-        fs::create_directories(dir);
-        std::vector<std::string> argv = {"dhp", "train", "--nproc", std::to_string(o.nproc), "--out", dir.string()};
-        if (!o.config.empty()) argv.insert(argv.end(), {"--config", o.config});
-        for (const auto& s : sets) argv.insert(argv.end(), {"--set", s});
-        const int status = run_logged(o.binary, argv, dir / "log.txt");
-        if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-          a.message = job_error(dir / "log.txt");
-          a.outcome = a.message.find("out of memory") != std::string::npos ? Outcome::kOom : Outcome::kFailed;
-        } else {
-          try {
-            a.metrics = read_metrics((dir / "metrics.jsonl").string(), o.warmup);
-            a.outcome = Outcome::kOk;
-          } catch (const std::exception& e) {
-            a.message = e.what();
-          }
-        }
-        if (!o.quiet && a.outcome != Outcome::kOk) {
-          std::fprintf(stderr, "  %s: %s\n", outcome_name(a.outcome), a.message.c_str());
-        }
-        return a;
-      };
-      search_batch(batches, attempt, r);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::string progress = "[" + std::to_string(done + 1) + "/" + std::to_string(total) + "] " + p.name + ", " +
+                             std::to_string(r.vision_tokens) + " patches/image (" + std::to_string(r.image_side) +
+                             " px)";
+      if (done) progress += ", ETA " + fmt_eta(elapsed / static_cast<double>(done) * static_cast<double>(total - done));
+      search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress); }, r);
       results.push_back(r);
     }
   }

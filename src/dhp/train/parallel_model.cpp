@@ -256,6 +256,28 @@ ParallelModel::StepResult ParallelModel::forward_backward(const std::vector<std:
   return result;
 }
 
+torch::Tensor ParallelModel::encode_vision_chunk(const std::vector<data::Sample>& mb, int64_t micro_batch) {
+  const int64_t n = static_cast<int64_t>(mb.size());
+  const auto vc = parallel::replica_chunk(n, vision_->layout.dp, vision_->coord.dp);
+  // Vision replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
+  if (vision_->zero3) {
+    for (int64_t v = 0; v < vision_->layout.dp; ++v) {
+      const auto c = parallel::replica_chunk(n, vision_->layout.dp, v);
+      bool any = false;
+      for (int64_t i = c.first; i < c.second; ++i) any = any || !mb[i].grids.empty();
+      DHP_CHECK(any, "vision zero3: replica ", v, " has no image in its samples ", c.first, "..", c.second - 1,
+                " of micro-batch ", micro_batch, "; every replica needs one");
+    }
+  }
+  const auto& mc = cfg_.model.config;
+  auto out = model_->encode_images(
+      data::collate(std::vector<data::Sample>(mb.begin() + vc.first, mb.begin() + vc.second), mc));
+  if (!out.defined()) {
+    out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(full_shapes_.begin()->second.second));
+  }
+  return out;
+}
+
 void ParallelModel::run_action(const Action& a, const std::vector<std::vector<data::Sample>>& micro,
                                double global_targets, std::vector<MicroBatchState>& state, StepResult& result) {
   const auto& mb = micro[static_cast<size_t>(a.micro_batch)];
@@ -270,22 +292,9 @@ void ParallelModel::run_action(const Action& a, const std::vector<std::vector<da
   auto options = torch::TensorOptions().dtype(full_shapes_.begin()->second.second);
   const auto t0 = std::chrono::steady_clock::now();
   switch (a.op) {
-    case Op::kVisionForward: {
-      const auto vc = parallel::replica_chunk(n, vision_->layout.dp, vision_->coord.dp);
-      // Vision replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
-      if (vision_->zero3) {
-        for (int64_t v = 0; v < vision_->layout.dp; ++v) {
-          const auto c = parallel::replica_chunk(n, vision_->layout.dp, v);
-          bool any = false;
-          for (int64_t i = c.first; i < c.second; ++i) any = any || !mb[i].grids.empty();
-          DHP_CHECK(any, "vision zero3: replica ", v, " has no image in its samples ", c.first, "..", c.second - 1,
-                    " of micro-batch ", a.micro_batch, "; every replica needs one");
-        }
-      }
-      st.vision_out = model_->encode_images(data::collate(slice(vc), mc));
-      if (!st.vision_out.defined()) st.vision_out = torch::zeros({0, hidden}, options);
+    case Op::kVisionForward:
+      st.vision_out = encode_vision_chunk(mb, a.micro_batch);
       break;
-    }
     case Op::kSendActivations:
       parallel::send_pieces(st.plan.forward, st.vision_out, job_, rt_.rank, fwd_tag);
       break;

@@ -100,6 +100,8 @@ class ParallelModel {
  private:
   struct Module;
   struct MicroBatchState;
+  // This rank's vision replica's embedding rows of micro-batch `mb` (0 rows without images).
+  torch::Tensor encode_vision_chunk(const std::vector<data::Sample>& mb, int64_t micro_batch);
   void run_action(const Action& a, const std::vector<std::vector<data::Sample>>& micro, double global_targets,
                   std::vector<MicroBatchState>& state, StepResult& result);
   void release_parameters(bool vision);  // frees the parameters of a module this rank does not host
