@@ -104,7 +104,7 @@ ShapesDataset::ShapesDataset(const qwen::ModelConfig& model, ShapesOptions optio
 
 int64_t ShapesDataset::num_answers() const { return 4 * kNumShapes * 4; }
 
-Sample ShapesDataset::get(int64_t index) const {
+Sample ShapesDataset::get(int64_t index, bool pixels) const {
   std::mt19937_64 rng(options_.seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(index) * 7919 + 1);
   auto uni = [&](double a, double b) { return std::uniform_real_distribution<double>(a, b)(rng); };
   auto pick = [&](int64_t n) { return static_cast<int>(std::uniform_int_distribution<int64_t>(0, n - 1)(rng)); };
@@ -119,22 +119,24 @@ Sample ShapesDataset::get(int64_t index) const {
   const float cy = qy + static_cast<float>(uni(-0.06, 0.06)) * H;
   const float bg = static_cast<float>(uni(0.3, 0.7));
 
-  auto img = torch::empty({3, H, W}, torch::kFloat32);
-  auto a = img.accessor<float, 3>();
-  std::normal_distribution<float> noise(0.f, 0.03f);
-  for (int64_t y = 0; y < H; ++y) {
-    for (int64_t x = 0; x < W; ++x) {
-      const bool in = inside(shape, x + 0.5f, y + 0.5f, cx, cy, r);
-      for (int c = 0; c < 3; ++c) {
-        float v = (in ? kRGB[colour][c] : bg) + noise(rng);
-        v = std::min(1.f, std::max(0.f, v));
-        a[c][y][x] = (v - kImageMean[c]) / kImageStd[c];
+  Sample s;
+  qwen::GridTHW grid{1, H / model_.vision.patch_size, W / model_.vision.patch_size};
+  if (pixels) {  // the rendering draws from rng last, so skipping it changes nothing else
+    auto img = torch::empty({3, H, W}, torch::kFloat32);
+    auto a = img.accessor<float, 3>();
+    std::normal_distribution<float> noise(0.f, 0.03f);
+    for (int64_t y = 0; y < H; ++y) {
+      for (int64_t x = 0; x < W; ++x) {
+        const bool in = inside(shape, x + 0.5f, y + 0.5f, cx, cy, r);
+        for (int c = 0; c < 3; ++c) {
+          float v = (in ? kRGB[colour][c] : bg) + noise(rng);
+          v = std::min(1.f, std::max(0.f, v));
+          a[c][y][x] = (v - kImageMean[c]) / kImageStd[c];
+        }
       }
     }
+    s.pixel_values = patchify(img, model_.vision, grid);
   }
-  Sample s;
-  qwen::GridTHW grid;
-  s.pixel_values = patchify(img, model_.vision, grid);
   s.grids = {grid};
   const int64_t m = model_.vision.spatial_merge_size;
   const int64_t n_img = grid[0] * grid[1] * grid[2] / (m * m);

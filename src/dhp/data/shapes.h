@@ -63,8 +63,10 @@ struct ShapesOptions {
 class ShapesDataset {
  public:
   ShapesDataset(const qwen::ModelConfig& model, ShapesOptions options);
-  // Deterministic sample `index` of this dataset's seed.
-  Sample get(int64_t index) const;
+  // Deterministic sample `index` of this dataset's seed. pixels=false: everything but the
+  // image's pixel values (grids, ids, labels, answer are the same), for ranks that do not
+  // encode it.
+  Sample get(int64_t index, bool pixels = true) const;
   // Number of distinct answers (chance accuracy = 1 / num_answers()).
   int64_t num_answers() const;
   const ShapesVocab& vocab() const { return vocab_; }

@@ -237,7 +237,13 @@ std::vector<Action> ParallelModel::schedule(int64_t micro_batches) const {
   return make_schedule(layouts_.vision, layouts_.text, rt_.rank, micro_batches, cfg_.parallel.pipeline);
 }
 
-ParallelModel::StepResult ParallelModel::forward_backward(const std::vector<std::vector<data::Sample>>& micro,
+bool ParallelModel::encodes(int64_t i, int64_t n) const {
+  if (!vision_->member) return false;
+  const auto c = parallel::replica_chunk(n, vision_->layout.dp, vision_->coord.dp);
+  return i >= c.first && i < c.second;
+}
+
+ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vector<data::Sample>> micro,
                                                           double global_targets) {
   const int64_t img = cfg_.model.config.image_token_id;
   std::vector<MicroBatchState> state(micro.size());
@@ -256,7 +262,7 @@ ParallelModel::StepResult ParallelModel::forward_backward(const std::vector<std:
   return result;
 }
 
-torch::Tensor ParallelModel::encode_vision_chunk(const std::vector<data::Sample>& mb, int64_t micro_batch) {
+torch::Tensor ParallelModel::encode_vision_chunk(std::vector<data::Sample>& mb, int64_t micro_batch) {
   const int64_t n = static_cast<int64_t>(mb.size());
   const auto vc = parallel::replica_chunk(n, vision_->layout.dp, vision_->coord.dp);
   // Vision replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
@@ -270,17 +276,20 @@ torch::Tensor ParallelModel::encode_vision_chunk(const std::vector<data::Sample>
     }
   }
   const auto& mc = cfg_.model.config;
-  auto out = model_->encode_images(
-      data::collate(std::vector<data::Sample>(mb.begin() + vc.first, mb.begin() + vc.second), mc));
+  auto batch = data::collate(std::vector<data::Sample>(mb.begin() + vc.first, mb.begin() + vc.second), mc);
+  // Packed now: the samples' own copies of the pixels are no longer needed.
+  for (int64_t i = vc.first; i < vc.second; ++i) mb[static_cast<size_t>(i)].pixel_values = torch::Tensor();
+  auto out = model_->encode_images(batch);
+  batch = qwen::Batch();
   if (!out.defined()) {
     out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(full_shapes_.begin()->second.second));
   }
   return out;
 }
 
-void ParallelModel::run_action(const Action& a, const std::vector<std::vector<data::Sample>>& micro,
+void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sample>>& micro,
                                double global_targets, std::vector<MicroBatchState>& state, StepResult& result) {
-  const auto& mb = micro[static_cast<size_t>(a.micro_batch)];
+  auto& mb = micro[static_cast<size_t>(a.micro_batch)];
   auto& st = state[static_cast<size_t>(a.micro_batch)];
   const auto& mc = cfg_.model.config;
   const int64_t n = static_cast<int64_t>(mb.size());

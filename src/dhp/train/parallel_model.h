@@ -69,8 +69,11 @@ class ParallelModel {
     double wait_s = 0;    // time blocked on the other module (receives, pending sends)
   };
   // Forward and backward of a step's global micro-batches through this rank's schedule;
-  // losses scaled by 1/`global_targets`. Collective over the job.
-  StepResult forward_backward(const std::vector<std::vector<data::Sample>>& micro_batches, double global_targets);
+  // losses scaled by 1/`global_targets`. Collective over the job. Takes the samples so that
+  // their pixel values are freed as soon as they are packed for the vision tower.
+  StepResult forward_backward(std::vector<std::vector<data::Sample>> micro_batches, double global_targets);
+  // Does this rank's vision replica encode sample i of a micro-batch of n (needs its pixels)?
+  bool encodes(int64_t i, int64_t n) const;
   // Gradient sums, global-norm clipping (max_norm 0 = off), optimizer steps. Returns the
   // global gradient norm before clipping (equal on every rank).
   double finish_step(double lr, double max_norm);
@@ -101,8 +104,8 @@ class ParallelModel {
   struct Module;
   struct MicroBatchState;
   // This rank's vision replica's embedding rows of micro-batch `mb` (0 rows without images).
-  torch::Tensor encode_vision_chunk(const std::vector<data::Sample>& mb, int64_t micro_batch);
-  void run_action(const Action& a, const std::vector<std::vector<data::Sample>>& micro, double global_targets,
+  torch::Tensor encode_vision_chunk(std::vector<data::Sample>& mb, int64_t micro_batch);
+  void run_action(const Action& a, std::vector<std::vector<data::Sample>>& micro, double global_targets,
                   std::vector<MicroBatchState>& state, StepResult& result);
   void release_parameters(bool vision);  // frees the parameters of a module this rank does not host
 

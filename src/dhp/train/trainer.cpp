@@ -87,7 +87,7 @@ std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const
   for (int64_t mb = 0; mb < M; ++mb) {
     const int64_t n = B / M + (mb < B % M ? 1 : 0);
     std::vector<data::Sample> samples;
-    for (int64_t i = 0; i < n; ++i) samples.push_back(train_data_.get(next++));
+    for (int64_t i = 0; i < n; ++i) samples.push_back(train_data_.get(next++, parallel_->encodes(i, n)));
     out.push_back(std::move(samples));
   }
   return out;
@@ -105,13 +105,13 @@ StepMetrics Trainer::train_step() {
     for (const auto& s : mb) {
       m.target_tokens += data::num_targets(s);
       m.tokens += static_cast<int64_t>(s.ids.size());
-      m.patches += s.pixel_values.defined() ? s.pixel_values.size(0) : 0;
+      for (const auto& g : s.grids) m.patches += g[0] * g[1] * g[2];  // pixels may live on other ranks
     }
     m.model_flops += training_flops(cfg_.model.config, mb);
   }
   DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
   parallel_->zero_grad();
-  const auto fb = parallel_->forward_backward(micro, static_cast<double>(m.target_tokens));
+  const auto fb = parallel_->forward_backward(std::move(micro), static_cast<double>(m.target_tokens));
   double loss_sum = fb.loss_sum;
   m.wait_s = fb.wait_s;
   m.lr = lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);

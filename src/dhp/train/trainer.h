@@ -60,7 +60,8 @@ class Trainer {
   // Every parameter in full (collective over the job).
   std::map<std::string, torch::Tensor> full_parameters() { return parallel_->full_parameters(); }
   const data::ShapesDataset& dataset() const { return train_data_; }
-  // The samples of global step `step` (0-based), split into micro-batches.
+  // The samples of global step `step` (0-based), split into micro-batches. Pixel values
+  // only of the samples this rank's vision replica encodes (all of them on one process).
   std::vector<std::vector<data::Sample>> step_samples(int64_t step) const;
   bool is_main() const { return rt_.rank == 0; }
 
