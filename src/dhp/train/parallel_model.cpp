@@ -178,9 +178,8 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
   if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", dist::iota_ranks(rt_.world), rt_.rank, rt_.timeout);
   model_ = build_model(cfg_);
-  for (auto& kv : model_->named_parameters(true)) {
-    full_shapes_[kv.key()] = {kv.value().sizes().vec(), kv.value().scalar_type()};
-  }
+  for (auto& kv : model_->named_parameters(true)) full_shapes_[kv.key()] = kv.value().sizes().vec();
+  dtype_ = model_->parameters().front().scalar_type();
   auto make = [&](const dist::ModuleLayout& l) {
     auto m = std::make_unique<Module>();
     m->layout = l;
@@ -282,7 +281,7 @@ torch::Tensor ParallelModel::encode_vision_chunk(std::vector<data::Sample>& mb, 
   auto out = model_->encode_images(batch);
   batch = qwen::Batch();
   if (!out.defined()) {
-    out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(full_shapes_.begin()->second.second));
+    out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(dtype_));
   }
   return out;
 }
@@ -298,7 +297,7 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
   auto slice = [&](std::pair<int64_t, int64_t> c) {
     return std::vector<data::Sample>(mb.begin() + c.first, mb.begin() + c.second);
   };
-  auto options = torch::TensorOptions().dtype(full_shapes_.begin()->second.second);
+  auto options = torch::TensorOptions().dtype(dtype_);
   const auto t0 = std::chrono::steady_clock::now();
   switch (a.op) {
     case Op::kVisionForward:
@@ -403,27 +402,24 @@ std::map<std::string, torch::Tensor> ParallelModel::full_parameters() {
     }
     // Rank 0 gets a module it does not host from the module's first rank, in one message.
     const int64_t owner = m->layout.ranks.front();
+    const bool vis = m == vision_.get();
     if (!m->member && rt_.rank == 0) {
       int64_t numel = 0;
-      for (const auto& [name, meta] : full_shapes_) {
-        if (is_vision(name) != (m == vision_.get())) continue;
-        int64_t k = 1;
-        for (auto d : meta.first) k *= d;
-        numel += k;
-      }
-      auto flat = torch::empty({numel}, torch::TensorOptions().dtype(full_shapes_.begin()->second.second));
+      for (const auto& [name, shape] : full_shapes_)
+        if (is_vision(name) == vis) numel += c10::multiply_integers(shape);
+      auto flat = torch::empty({numel}, torch::TensorOptions().dtype(dtype_));
       job_.recv(flat, owner, /*tag=*/1 << 20);
       int64_t at = 0;
-      for (const auto& [name, meta] : full_shapes_) {
-        if (is_vision(name) != (m == vision_.get())) continue;
-        auto t = flat.narrow(0, at, c10::multiply_integers(meta.first)).view(meta.first).clone();
+      for (const auto& [name, shape] : full_shapes_) {
+        if (is_vision(name) != vis) continue;
+        auto t = flat.narrow(0, at, c10::multiply_integers(shape)).view(shape).clone();
         at += t.numel();
         full[name] = t;
       }
     } else if (rt_.rank == owner && m->layout.module_rank(0) < 0) {
       std::vector<torch::Tensor> parts;
       for (const auto& [name, t] : full) parts.push_back(t.reshape({-1}));  // map order = name order
-      job_.send(torch::cat(parts).to(full_shapes_.begin()->second.second), 0, /*tag=*/1 << 20);
+      job_.send(torch::cat(parts).to(dtype_), 0, /*tag=*/1 << 20);
     }
     for (auto& [k, v] : full) out[k] = v;
   }

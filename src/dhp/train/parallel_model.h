@@ -115,8 +115,9 @@ class ParallelModel {
   qwen::Qwen2_5_VL model_{nullptr};
   dist::Group job_;
   std::unique_ptr<Module> vision_, text_;
-  // Name -> (shape, dtype) of every parameter, kept for those released on this rank.
-  std::map<std::string, std::pair<std::vector<int64_t>, torch::Dtype>> full_shapes_;
+  // Name -> shape of every parameter, kept for those released on this rank.
+  std::map<std::string, std::vector<int64_t>> full_shapes_;
+  torch::Dtype dtype_ = torch::kFloat32;  // the model's parameter (and activation) dtype
 };
 
 }  // namespace dhp::train

@@ -1,7 +1,5 @@
 #include "dhp/train/schedule.h"
 
-#include <algorithm>
-
 namespace dhp::train {
 
 bool disjoint(const dist::ModuleLayout& vision, const dist::ModuleLayout& text) {
