@@ -101,6 +101,17 @@ int64_t memory_live_bytes() { return g_live.load(); }
 int64_t memory_peak_bytes() { return g_peak.load(); }
 void reset_memory_peak() { g_peak = g_live.load(); }
 
+void memory_mark(const char* what) {
+  static const bool on = [] {
+    const char* e = std::getenv("DHP_MEMTRACE");
+    return e != nullptr && std::string(e) == "1";
+  }();
+  if (!on) return;
+  const char* rank = std::getenv("RANK");
+  std::fprintf(stderr, "[mem %s] %-28s live %8.1f MiB peak %8.1f MiB\n", rank ? rank : "0", what,
+               g_live.load() / 1048576.0, g_peak.load() / 1048576.0);
+}
+
 int64_t parse_bytes(const std::string& text, const std::string& what) {
   size_t pos = 0;
   double v = 0;

@@ -32,6 +32,9 @@ int64_t memory_live_bytes();
 int64_t memory_peak_bytes();
 // Resets the peak to the current live bytes.
 void reset_memory_peak();
+// With DHP_MEMTRACE=1 in the environment: prints "[mem] WHAT live L peak P" (MiB) to
+// stderr, to find where a step's peak comes from. Otherwise does nothing.
+void memory_mark(const char* what);
 
 // "1.5GiB", "512MiB", "2000000" -> bytes. Throws dhp::Error naming `what` on bad text.
 int64_t parse_bytes(const std::string& text, const std::string& what);

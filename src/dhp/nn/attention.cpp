@@ -216,9 +216,17 @@ struct VarlenAttentionFn : public torch::autograd::Function<VarlenAttentionFn> {
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& q, const Tensor& k,
                         const Tensor& v, const std::vector<int64_t>& cu, bool causal,
                         int64_t block) {
-    auto qh = to_heads_major(q), kh = to_heads_major(k), vh = to_heads_major(v);
-    auto f = forward_impl(qh, kh, vh, cu, causal, block);
-    ctx->save_for_backward({qh, kh, vh, f.out, f.lse});
+    auto f = forward_impl(to_heads_major(q), to_heads_major(k), to_heads_major(v), cu, causal, block);
+    // The inputs are saved as given (bf16 under mixed precision) and converted again in the
+    // backward: half the memory of keeping the fp32 heads-major copies.
+    // A view into a larger buffer (v out of a fused qkv projection) is copied, so that
+    // saving it does not keep the whole buffer alive.
+    auto own = [](const Tensor& t) {
+      const auto bytes = static_cast<size_t>(t.numel()) * t.element_size();
+      if (t.is_contiguous()) return t.storage().nbytes() == bytes ? t : t.clone();
+      return t.contiguous();
+    };
+    ctx->save_for_backward({own(q), own(k), own(v), f.out, f.lse});
     ctx->saved_data["cu"] = cu;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["block"] = block;
@@ -233,7 +241,8 @@ struct VarlenAttentionFn : public torch::autograd::Function<VarlenAttentionFn> {
     const bool causal = ctx->saved_data["causal"].toBool();
     const int64_t block = ctx->saved_data["block"].toInt();
     const auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
-    auto g = backward_impl(saved[0], saved[1], saved[2], saved[3], saved[4],
+    auto g = backward_impl(to_heads_major(saved[0]), to_heads_major(saved[1]), to_heads_major(saved[2]), saved[3],
+                           saved[4],
                            to_heads_major(grads[0]), cu, causal, block);
     auto back = [&](const Tensor& t) { return t.transpose(0, 1).to(dtype); };
     return {back(g.dq), back(g.dk), back(g.dv), Tensor(), Tensor(), Tensor()};

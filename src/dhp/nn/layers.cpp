@@ -8,10 +8,71 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// RMSNorm as one autograd node that saves only its input (in its own dtype) and the fp32
+// reciprocal RMS per row; plain autograd would keep three fp32 copies of the activations
+// (x, x * rstd, and the cast). Same math: the backward recomputes x * rstd.
+struct RMSNormFn : public torch::autograd::Function<RMSNormFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
+                               double eps) {
+    auto xf = x.to(torch::kFloat32);
+    auto rstd = torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    ctx->save_for_backward({x, weight, rstd});
+    return weight * (xf * rstd).to(x.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const auto& gy = grads[0];
+    auto xf = x.to(torch::kFloat32);  // a copy for a 16-bit x, a view of it in fp32 (read only)
+    torch::Tensor gw;
+    if (weight.requires_grad()) {
+      gw = (gy * (xf * rstd).to(x.scalar_type())).reshape({-1, weight.size(0)}).sum(0).to(weight.scalar_type());
+    }
+    torch::Tensor gx;
+    if (x.requires_grad()) {
+      // d/dx [x * rstd] with rstd = (mean(x^2) + eps)^-1/2:
+      //   dn * rstd - x * rstd^3 * sum(dn * x) / D, with dn the gradient of x * rstd (fp32).
+      // In place where possible: the activations are the largest tensors of the step.
+      auto dn = (gy * weight).to(torch::kFloat32);
+      auto coef = (dn * xf).sum(-1, /*keepdim=*/true).mul_(rstd.pow(3)).div_(static_cast<double>(x.size(-1)));
+      gx = dn.mul_(rstd).sub_(xf * coef).to(x.scalar_type());
+    }
+    return {gx, gw, torch::Tensor()};
+  }
+};
+
+// Rotary embedding as one autograd node that saves nothing but the cos/sin tables.
+struct RotaryFn : public torch::autograd::Function<RotaryFn> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
+                               const torch::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    auto xf = x.to(torch::kFloat32);
+    auto c = cos.to(torch::kFloat32).unsqueeze(1), s = sin.to(torch::kFloat32).unsqueeze(1);
+    return (xf * c + rotate_half(xf) * s).to(x.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto dtype = static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt());
+    auto c = saved[0].to(torch::kFloat32).unsqueeze(1), s = saved[1].to(torch::kFloat32).unsqueeze(1);
+    auto g = grads[0].to(torch::kFloat32);
+    // rotate_half is linear: y = (-x2, x1); its transpose maps (g1, g2) to (g2, -g1).
+    auto gs = g * s;
+    const int64_t half = gs.size(-1) / 2;
+    auto back = torch::cat({gs.narrow(-1, half, half), -gs.narrow(-1, 0, half)}, -1);
+    return {(g * c + back).to(dtype), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
-  auto xf = x.to(torch::kFloat32);
-  auto normed = xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps_);
-  return weight * normed.to(x.scalar_type());
+  return RMSNormFn::apply(x, weight, eps_);
 }
 
 LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) {
@@ -43,9 +104,12 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 
 torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos,
                            const torch::Tensor& sin) {
-  auto xf = x.to(torch::kFloat32);
-  auto c = cos.to(torch::kFloat32).unsqueeze(1), s = sin.to(torch::kFloat32).unsqueeze(1);
-  return (xf * c + rotate_half(xf) * s).to(x.scalar_type());
+  if (cos.requires_grad() || sin.requires_grad()) {  // tables are constants; stay general anyway
+    auto xf = x.to(torch::kFloat32);
+    auto c = cos.to(torch::kFloat32).unsqueeze(1), s = sin.to(torch::kFloat32).unsqueeze(1);
+    return (xf * c + rotate_half(xf) * s).to(x.scalar_type());
+  }
+  return RotaryFn::apply(x, cos, sin);
 }
 
 torch::Tensor rope_inv_freq(int64_t dim, double theta) {

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "dhp/core/error.h"
+#include "dhp/core/memory.h"
 #include "dhp/parallel/data_parallel.h"
 #include "dhp/parallel/mappings.h"
 #include "dhp/parallel/parallelize.h"
@@ -340,6 +341,7 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
       st.vision_grad = torch::Tensor();
       break;
   }
+  memory_mark(to_string({a}).c_str());
 }
 
 void ParallelModel::zero_grad() {
@@ -363,6 +365,7 @@ double ParallelModel::finish_step(double lr, double max_norm) {
         ps.push_back(p.param);
       }
       parallel::all_reduce_grads(ps, m->pg.data);
+      memory_mark("gradients reduced");
     }
     for (size_t i = 0; i < m->params.size(); ++i) {
       const auto& g = m->params[i].param.grad();
@@ -380,6 +383,7 @@ double ParallelModel::finish_step(double lr, double max_norm) {
     if (!m->member) continue;
     if (m->zero1) m->zero1->step(lr);
     else m->adam->step(lr);
+    memory_mark("optimizer step");
   }
   return norm;
 }

@@ -99,7 +99,9 @@ StepMetrics Trainer::train_step() {
   Timer timer;
   reset_memory_peak();
   const auto comm0 = dist::comm_stats();
+  memory_mark("step start");
   auto micro = step_samples(step_);
+  memory_mark("samples");
   StepMetrics m;
   for (const auto& mb : micro) {
     for (const auto& s : mb) {
