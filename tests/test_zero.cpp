@@ -1,10 +1,12 @@
-// ZeRO-1 AdamW over 2 and 3 ranks equals the single-process AdamW over several steps
-// (fp32, 1e-6), while each rank holds only its slice of the optimizer state.
+// ZeRO-1 AdamW over 2 and 3 ranks equals the single-process AdamW on the summed gradients
+// over several steps (fp32, 1e-6), while each rank holds only its slice of the optimizer
+// state; the reduce-scatter underneath.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "dhp/core/error.h"
 #include "dhp/parallel/zero.h"
 #include "ranks.h"
 
@@ -20,24 +22,42 @@ std::vector<dhp::train::NamedParam> make_params() {
   return {{"w", randn({5, 7}), true}, {"b", randn({7}), false}, {"e", randn({3, 5}), true}};
 }
 
-void set_grads(std::vector<dhp::train::NamedParam>& ps, int step) {
+// Rank r's local gradient at a step (rank -1: the sum over `ranks` ranks, added in rank
+// order as the reduce-scatter adds them).
+torch::Tensor local_grad(const std::vector<int64_t>& shape, int step, size_t i, int64_t rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * rank + 100 * step + static_cast<int64_t>(i));
+  return torch::empty(shape).normal_(0, 1, gen);
+}
+
+void set_grads(std::vector<dhp::train::NamedParam>& ps, int step, int64_t rank, int64_t ranks) {
   for (size_t i = 0; i < ps.size(); ++i) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + i);
-    auto g = torch::empty(ps[i].param.sizes());
-    g.normal_(0, 1, gen);
-    ps[i].param.mutable_grad() = g;
+    const auto shape = ps[i].param.sizes().vec();
+    if (rank >= 0) {
+      ps[i].param.mutable_grad() = local_grad(shape, step, i, rank);
+      continue;
+    }
+    auto sum = local_grad(shape, step, i, 0);
+    for (int64_t r = 1; r < ranks; ++r) sum.add_(local_grad(shape, step, i, r));
+    ps[i].param.mutable_grad() = sum;
   }
 }
 
+// Each rank holds its own gradients; the sharded optimizer must step like AdamW on their
+// sum, with the clipping-norm pieces adding up to the norm of the sum.
 void check(int64_t ws) {
   dhp::train::AdamWOptions o;
   o.weight_decay = 0.1;
   auto ref = make_params();
   dhp::train::AdamW adam(ref, o);
+  std::vector<double> ref_sq;
   for (int s = 0; s < 3; ++s) {
-    set_grads(ref, s);
+    set_grads(ref, s, -1, ws);
+    double sq = 0;
+    for (const auto& p : ref) sq += p.param.grad().pow(2).sum().item<double>();
+    ref_sq.push_back(sq);
     adam.step(0.01 * (s + 1));
   }
+  std::vector<std::vector<double>> sq_by_rank(static_cast<size_t>(ws));
   run_ranks(ws, [&](int64_t r, const dhp::dist::Store& store) {
     dhp::dist::Group g(store, "zero", dhp::testing::first_ranks(ws), r, kTestTimeout);
     auto ps = make_params();
@@ -45,13 +65,37 @@ void check(int64_t ws) {
     EXPECT_EQ(z.total_numel(), 35 + 7 + 15);  // 57: padded to 58 on 2 ranks
     EXPECT_LE(z.state_numel(), (z.total_numel() + ws - 1) / ws);
     for (int s = 0; s < 3; ++s) {
-      set_grads(ps, s);
+      set_grads(ps, s, r, ws);
+      if (s == 1) {  // step() reduces by itself otherwise
+        z.reduce_gradients();
+        sq_by_rank[static_cast<size_t>(r)].push_back(z.grad_sq_norm());
+      }
       z.step(0.01 * (s + 1));
+      z.zero_grad();
     }
     for (size_t i = 0; i < ps.size(); ++i) {
       EXPECT_LT((ps[i].param - ref[i].param).abs().max().item<double>(), 1e-6) << ps[i].name;
     }
   });
+  double sq = 0;
+  for (const auto& v : sq_by_rank) sq += v.at(0);
+  EXPECT_NEAR(sq, ref_sq[1], 1e-5 * ref_sq[1]);
+}
+
+TEST(Zero1, ReduceScatterSumsEachChunkInFp32) {
+  for (int64_t ws : {2, 3}) {
+    run_ranks(ws, [&](int64_t r, const dhp::dist::Store& store) {
+      dhp::dist::Group g(store, "rs", dhp::testing::first_ranks(ws), r, kTestTimeout);
+      // Member m sends (m + 1) * [1, 2, ..., 2 * ws] in bf16: chunk r sums to (ws(ws+1)/2) * [2r+1, 2r+2].
+      auto x = (torch::arange(1, 2 * ws + 1, torch::kFloat32) * static_cast<float>(r + 1)).to(torch::kBFloat16);
+      auto got = g.reduce_scatter_sum(x);
+      EXPECT_EQ(got.scalar_type(), torch::kFloat32);
+      const float k = static_cast<float>(ws * (ws + 1) / 2);
+      auto want = torch::tensor({k * static_cast<float>(2 * r + 1), k * static_cast<float>(2 * r + 2)});
+      EXPECT_TRUE(torch::equal(got, want)) << got << " vs " << want;
+      EXPECT_THROW(g.reduce_scatter_sum(torch::zeros({2 * ws + 1})), dhp::Error);
+    });
+  }
 }
 
 TEST(Zero1, TwoRanksWithPaddingEqualAdamW) { check(2); }

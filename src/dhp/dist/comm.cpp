@@ -162,6 +162,22 @@ void Group::all_reduce_max_(torch::Tensor& t) const {
   impl_->with_pg([&](auto& pg) { pg.allreduce(v, o)->wait(); });
 }
 
+torch::Tensor Group::reduce_scatter_sum(const torch::Tensor& flat) const {
+  DHP_CHECK(flat.dim() == 1 && flat.numel() % size() == 0, "reduce_scatter_sum on group '", name_,
+            "': needs a 1-D tensor whose length is a multiple of the ", size(), " members, got shape ",
+            flat.sizes());
+  const int64_t n = flat.numel() / size();
+  if (!impl_) return flat.to(torch::kFloat32);
+  // All-to-all (Gloo in libtorch 1.13 has no reduce-scatter): chunk j goes to member j,
+  // which then holds every member's copy of its chunk and adds them up.
+  const std::vector<int64_t> rows(static_cast<size_t>(size()), n);
+  auto parts = all_to_all(flat, rows, rows).view({size(), n});
+  auto sum = parts[0].to(torch::kFloat32);  // a copy even for fp32 input (the parts are freed)
+  if (sum.data_ptr() == parts.data_ptr()) sum = sum.clone();
+  for (int64_t j = 1; j < size(); ++j) sum.add_(parts[j]);
+  return sum;
+}
+
 torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {
   if (!impl_) return t;
   const bool bits = impl_->gloo && is_half(t);

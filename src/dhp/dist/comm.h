@@ -70,6 +70,11 @@ class Group {
   void all_reduce_sum_(torch::Tensor& t) const;
   // Element-wise maximum over the members, in place.
   void all_reduce_max_(torch::Tensor& t) const;
+  // Reduce-scatter of a 1-D tensor whose length is a multiple of size(): member r gets the
+  // sum over members of chunk r, in fp32 (summed in member order, so every run adds the
+  // same numbers the same way). Moves each element once ((size-1)/size of the input per
+  // member, in the input's dtype), half an all-reduce's traffic.
+  torch::Tensor reduce_scatter_sum(const torch::Tensor& flat) const;
   // Concatenation along `dim` of every member's tensor (same shapes), in group order.
   torch::Tensor all_gather(const torch::Tensor& t, int64_t dim) const;
   // Along dim 0: send rows [sum(send[:j]), +send[j]) to member j, receive recv[j] rows from j.

@@ -2,17 +2,27 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
+
+#include "dhp/core/error.h"
 
 namespace dhp::parallel {
 
-Zero1AdamW::Zero1AdamW(std::vector<train::NamedParam> params, train::AdamWOptions options, dist::Group group)
+Zero1AdamW::Zero1AdamW(std::vector<train::NamedParam> params, train::AdamWOptions options, dist::Group group,
+                       std::vector<bool> in_norm)
     : params_(std::move(params)), options_(options), group_(std::move(group)) {
   torch::NoGradGuard no_grad;
+  DHP_CHECK(in_norm.empty() || in_norm.size() == params_.size(), "Zero1AdamW: ", in_norm.size(),
+            " in_norm flags for ", params_.size(), " parameters");
   std::vector<torch::Tensor> flat, decay;
   for (const auto& p : params_) {
     flat.push_back(p.param.detach().reshape({-1}).to(torch::kFloat32));
     decay.push_back(torch::full({p.param.numel()}, p.decay ? 1.f : 0.f));
+  }
+  if (!params_.empty()) dtype_ = params_.front().param.scalar_type();
+  for (const auto& p : params_) {
+    if (p.param.scalar_type() != dtype_) dtype_ = torch::kFloat32;
   }
   total_ = 0;
   for (const auto& f : flat) total_ += f.numel();
@@ -20,36 +30,68 @@ Zero1AdamW::Zero1AdamW(std::vector<train::NamedParam> params, train::AdamWOption
   padded_ = (total_ + ws - 1) / ws * ws;
   n_ = padded_ / ws;
   lo_ = group_.rank() * n_;
-  auto all = torch::cat(flat), all_decay = torch::cat(decay);
-  auto pad = [&](const torch::Tensor& t) { return torch::cat({t, torch::zeros({padded_ - total_})}); };
-  master_ = pad(all).narrow(0, lo_, n_).clone();
-  decay_ = pad(all_decay).narrow(0, lo_, n_).clone();
+  auto pad = [&](const std::vector<torch::Tensor>& parts) {
+    return torch::cat({torch::cat(parts), torch::zeros({padded_ - total_})}).narrow(0, lo_, n_).clone();
+  };
+  master_ = pad(flat);
+  decay_ = pad(decay);
+  // The parameters counted in the norm, clipped to this rank's slice [lo_, lo_ + n_).
+  int64_t off = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t b = std::max(off, lo_), e = std::min(off + params_[i].param.numel(), lo_ + n_);
+    if ((in_norm.empty() || in_norm[i]) && b < e) {
+      if (!norm_ranges_.empty() && norm_ranges_.back().second == b - lo_) norm_ranges_.back().second = e - lo_;
+      else norm_ranges_.emplace_back(b - lo_, e - lo_);
+    }
+    off += params_[i].param.numel();
+  }
   exp_avg_ = torch::zeros({n_});
   exp_avg_sq_ = torch::zeros({n_});
 }
 
 torch::Tensor Zero1AdamW::flat_grads() const {
   std::vector<torch::Tensor> parts;
+  const auto opts = torch::TensorOptions().dtype(dtype_);
   for (const auto& p : params_) {
     auto g = p.param.grad();
-    parts.push_back(g.defined() ? g.reshape({-1}).to(torch::kFloat32) : torch::zeros({p.param.numel()}));
+    parts.push_back(g.defined() ? g.reshape({-1}).to(dtype_) : torch::zeros({p.param.numel()}, opts));
   }
-  parts.push_back(torch::zeros({padded_ - total_}));
+  parts.push_back(torch::zeros({padded_ - total_}, opts));
   return torch::cat(parts);
+}
+
+void Zero1AdamW::reduce_gradients() {
+  torch::NoGradGuard no_grad;
+  grad_ = group_.reduce_scatter_sum(flat_grads());
+}
+
+double Zero1AdamW::grad_sq_norm() const {
+  DHP_CHECK(grad_.defined(), "Zero1AdamW::grad_sq_norm before reduce_gradients");
+  double sq = 0;
+  for (const auto& r : norm_ranges_) sq += grad_.narrow(0, r.first, r.second - r.first).pow(2).sum().item<double>();
+  return sq;
+}
+
+void Zero1AdamW::scale_gradients(double factor) {
+  DHP_CHECK(grad_.defined(), "Zero1AdamW::scale_gradients before reduce_gradients");
+  grad_.mul_(factor);
 }
 
 void Zero1AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
+  if (!grad_.defined()) reduce_gradients();
   ++step_;
   const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
   const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
-  auto g = flat_grads().narrow(0, lo_, n_);
+  const auto& g = grad_;
   if (options_.weight_decay > 0) master_.mul_(1.0 - decay_ * (lr * options_.weight_decay));
   exp_avg_.mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
   exp_avg_sq_.mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
   auto denom = (exp_avg_sq_ / bc2).sqrt_().add_(options_.eps);
   master_.addcdiv_(exp_avg_, denom, -lr / bc1);
-  auto full = group_.all_gather(master_, 0);  // (padded) every rank's updated slice
+  grad_ = torch::Tensor();
+  // Gathered in the parameters' dtype: the copy into them would round to it anyway.
+  auto full = group_.all_gather(master_.to(dtype_), 0);  // (padded) every rank's updated slice
   int64_t off = 0;
   for (auto& p : params_) {
     const int64_t n = p.param.numel();
@@ -59,6 +101,7 @@ void Zero1AdamW::step(double lr) {
 }
 
 void Zero1AdamW::zero_grad() {
+  grad_ = torch::Tensor();
   for (auto& p : params_) {
     if (p.param.grad().defined()) p.param.mutable_grad() = torch::Tensor();
   }

@@ -1,10 +1,13 @@
 // ZeRO-1: AdamW whose fp32 master weights and moments are sharded across a group. The
 // parameters are viewed as one flat vector (padded to a multiple of the group size); rank
-// r owns the contiguous slice r of it, updates only that slice from the (already summed)
-// gradients, and the updated slices are all-gathered back into every rank's parameters.
-// Same math as train::AdamW element for element. Collective: every member calls step().
+// r owns the contiguous slice r of it. The step reduce-scatters the local gradients (each
+// rank receives only the sum of its own slice, in fp32, sent in the gradients' dtype),
+// updates its slice, and all-gathers the updated slices back into every rank's parameters
+// in the parameters' dtype. Same math as train::AdamW on the summed gradients, element for
+// element. Collective: every member calls reduce_gradients() and step() in the same order.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "dhp/dist/comm.h"
@@ -14,20 +17,33 @@ namespace dhp::parallel {
 
 class Zero1AdamW {
  public:
-  Zero1AdamW(std::vector<train::NamedParam> params, train::AdamWOptions options, dist::Group group);
-  // Gradients must already be summed over the data/sequence-parallel group.
+  // `in_norm[i]`: whether parameter i's elements count in grad_sq_norm() (a parameter
+  // replicated across tensor-parallel ranks counts on one of them only); empty = all.
+  Zero1AdamW(std::vector<train::NamedParam> params, train::AdamWOptions options, dist::Group group,
+             std::vector<bool> in_norm = {});
+  // Sums the local gradients (.grad, undefined = zero) over the group into this rank's
+  // slice. Collective. step() calls it when it was not called since the last step.
+  void reduce_gradients();
+  // Sum of squares of this rank's slice of the summed gradients (after reduce_gradients()):
+  // summed over the group's ranks it is the squared gradient norm.
+  double grad_sq_norm() const;
+  // Multiplies the summed gradients (this rank's slice) by `factor` (clipping).
+  void scale_gradients(double factor);
   void step(double lr);
   void zero_grad();
   int64_t state_numel() const { return master_.numel(); }  // this rank's slice
   int64_t total_numel() const { return total_; }
 
  private:
-  torch::Tensor flat_grads() const;  // (padded) fp32
+  torch::Tensor flat_grads() const;  // (padded) in the parameters' dtype
   std::vector<train::NamedParam> params_;
   train::AdamWOptions options_;
   dist::Group group_;
+  torch::ScalarType dtype_ = torch::kFloat32;  // the parameters' (common) dtype, else fp32
   int64_t total_ = 0, padded_ = 0, lo_ = 0, n_ = 0;
   torch::Tensor master_, exp_avg_, exp_avg_sq_, decay_;  // (n_) fp32, this rank's slice
+  std::vector<std::pair<int64_t, int64_t>> norm_ranges_;  // [begin, end) of the slice counted in the norm
+  torch::Tensor grad_;  // (n_) fp32 summed gradients of the slice; undefined until reduced
   int64_t step_ = 0;
 };
 

@@ -225,7 +225,13 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
         mod->in_norm.push_back(mod->pg.data.rank() == 0 && (mod->tp_map.count(p.name) || mod->coord.tp == 0));
       }
     }
-    if (mod->layout.zero == 1) mod->zero1 = std::make_unique<parallel::Zero1AdamW>(mod->params, o, mod->pg.data);
+    if (mod->layout.zero == 1) {
+      // Elements of a ZeRO-1 slice are unique over the data group; in_norm's data-rank
+      // condition is replaced by the slicing.
+      std::vector<bool> once_over_tp;
+      for (const auto& p : mod->params) once_over_tp.push_back(mod->tp_map.count(p.name) || mod->coord.tp == 0);
+      mod->zero1 = std::make_unique<parallel::Zero1AdamW>(mod->params, o, mod->pg.data, once_over_tp);
+    }
     else mod->adam = std::make_unique<AdamW>(mod->params, o);
   }
 }
@@ -357,6 +363,12 @@ double ParallelModel::finish_step(double lr, double max_norm) {
   double sq = 0;
   for (Module* m : {vision_.get(), text_.get()}) {
     if (!m->member) continue;
+    if (m->zero1) {  // reduce-scattered into the optimizer's slices: no full gradient is summed
+      m->zero1->reduce_gradients();
+      sq += m->zero1->grad_sq_norm();
+      memory_mark("gradients reduced");
+      continue;
+    }
     if (!m->zero3 && m->pg.data.size() > 1) {
       // Every member must reduce the same tensors: a parameter unused here is a zero gradient.
       std::vector<torch::Tensor> ps;
@@ -375,9 +387,14 @@ double ParallelModel::finish_step(double lr, double max_norm) {
   const double norm = std::sqrt(sum_over_job(sq));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
-    for (Module* m : {vision_.get(), text_.get()})
+    for (Module* m : {vision_.get(), text_.get()}) {
+      if (m->zero1) {
+        m->zero1->scale_gradients(scale);
+        continue;
+      }
       for (auto& p : m->params)
         if (p.param.grad().defined()) p.param.grad().mul_(scale);
+    }
   }
   for (Module* m : {vision_.get(), text_.get()}) {
     if (!m->member) continue;

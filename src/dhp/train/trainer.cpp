@@ -99,6 +99,7 @@ StepMetrics Trainer::train_step() {
   Timer timer;
   reset_memory_peak();
   const auto comm0 = dist::comm_stats();
+  parallel_->zero_grad();  // the last step's gradients go before this step's pixels arrive
   memory_mark("step start");
   auto micro = step_samples(step_);
   memory_mark("samples");
@@ -112,7 +113,6 @@ StepMetrics Trainer::train_step() {
     m.model_flops += training_flops(cfg_.model.config, mb);
   }
   DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
-  parallel_->zero_grad();
   const auto fb = parallel_->forward_backward(std::move(micro), static_cast<double>(m.target_tokens));
   double loss_sum = fb.loss_sum;
   m.wait_s = fb.wait_s;
