@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The reference's study on this machine: throughput of dhp, tp and zero3 by vision length,
-# the largest batch of 4, 2, 1 that fits a per-rank memory limit (700 MiB on 2 ranks, 380 MiB
-# on 4; DHP_SWEEP_LIMIT_2 / _4 override), on 2 and then 4 ranks. ~3 and ~5 minutes here.
+# the largest batch of 4, 2, 1 that fits a per-rank memory limit (700 MiB on 2 ranks, 400 MiB
+# on 4; DHP_SWEEP_LIMIT_2 / _4 override), on 2 and then 4 ranks. ~3 and ~15 minutes here.
 #   bash bench/sweep.sh [2|4|all] [extra dhp bench flags]
 # Writes bench/results/sweep_<N>rank/{table.md,results.json,throughput.png}.
 set -euo pipefail
@@ -22,8 +22,8 @@ sweep() {
 }
 case "$which" in
   2) sweep 2 256,1024,4096 "${DHP_SWEEP_LIMIT_2:-700MiB}" "$@" ;;
-  4) sweep 4 256,1024,4096,16384 "${DHP_SWEEP_LIMIT_4:-380MiB}" "$@" ;;
+  4) sweep 4 256,1024,4096,9216,16384 "${DHP_SWEEP_LIMIT_4:-400MiB}" "$@" ;;
   all) sweep 2 256,1024,4096 "${DHP_SWEEP_LIMIT_2:-700MiB}" "$@"
-       sweep 4 256,1024,4096,16384 "${DHP_SWEEP_LIMIT_4:-380MiB}" "$@" ;;
+       sweep 4 256,1024,4096,9216,16384 "${DHP_SWEEP_LIMIT_4:-400MiB}" "$@" ;;
   *) echo "usage: $0 [2|4|all] [dhp bench flags]" >&2; exit 2 ;;
 esac
