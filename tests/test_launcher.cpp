@@ -1,7 +1,8 @@
 // `dhp train` as a multi-process job: --nproc 2 trains like --nproc 1 (losses within 1e-5
 // relative), a rank that throws makes the whole job exit non-zero within the test's timeout
 // naming that rank and its error, impossible layouts are refused before any worker starts,
-// and the binary runs as one rank under a torchrun-style environment.
+// the binary runs as one rank under a torchrun-style environment, and `dhp forward` writes
+// the logits the library computes for an exported model.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -11,6 +12,12 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <torch/torch.h>
+
+#include "dhp/io/safetensors.h"
+#include "dhp/models/qwen2_5_vl/hf.h"
+#include "dhp/models/qwen2_5_vl/model.h"
 
 namespace {
 
@@ -134,6 +141,37 @@ TEST(Launcher, RunsAsOneRankOfATorchrunStyleJob) {
               "; a=$?; wait $!; b=$?; exit $((a + b))");
   EXPECT_EQ(r.rc, 0) << r.output;
   EXPECT_EQ(losses(dir).size(), 3u) << r.output;  // rank 0 wrote the run
+  fs::remove_all(dir);
+}
+
+TEST(Forward, WritesTheLogitsOfAnHfDirectory) {
+  auto dir = tmpdir("forward");
+  fs::create_directories(dir);
+  const auto c = dhp::qwen::preset("demo");
+  dhp::qwen::Qwen2_5_VL m(c);
+  dhp::qwen::init_parameters(*m, 11, c.initializer_range);
+  std::map<std::string, torch::Tensor> params;
+  for (auto& kv : m->named_parameters(true)) params[kv.key()] = kv.value();
+  dhp::qwen::save_hf((dir / "model").string(), params, c);
+  std::vector<int64_t> ids = {10, c.vision_start_token_id, c.image_token_id, c.image_token_id, c.vision_end_token_id, 12};
+  auto input_ids = torch::tensor(ids, torch::kInt64).view({1, 6});
+  auto pixels = torch::randn({8, c.vision.patch_dim()});
+  auto grid = torch::tensor({1, 2, 4}, torch::kInt64).view({1, 3});
+  dhp::io::write_safetensors((dir / "in.safetensors").string(),
+                             {{"input_ids", input_ids}, {"pixel_values", pixels}, {"image_grid_thw", grid}});
+  auto r = sh(std::string(DHP_BINARY) + " forward --model " + (dir / "model").string() + " --inputs " +
+              (dir / "in.safetensors").string() + " --out " + (dir / "out.safetensors").string());
+  ASSERT_EQ(r.rc, 0) << r.output;
+  auto got = dhp::io::SafetensorsReader((dir / "out.safetensors").string()).read("logits");
+  auto want = dhp::qwen::forward_logits(*m, input_ids, pixels, grid);
+  EXPECT_EQ(got.sizes(), want.sizes());
+  EXPECT_TRUE(torch::allclose(got, want, 1e-6, 1e-6));
+  // A wrong input file is named.
+  dhp::io::write_safetensors((dir / "bad.safetensors").string(), {{"pixel_values", pixels}});
+  r = sh(std::string(DHP_BINARY) + " forward --model " + (dir / "model").string() + " --inputs " +
+         (dir / "bad.safetensors").string() + " --out " + (dir / "o2.safetensors").string());
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.output.find("has no tensor \'input_ids\'"), std::string::npos) << r.output;
   fs::remove_all(dir);
 }
 

@@ -16,6 +16,9 @@
 #include "dhp/train/config.h"
 #include "dhp/train/trainer.h"
 #include "dhp/bench/bench.h"
+#include "dhp/io/safetensors.h"
+#include "dhp/models/qwen2_5_vl/hf.h"
+#include "dhp/models/qwen2_5_vl/model.h"
 #include "launch.h"
 
 namespace {
@@ -29,6 +32,7 @@ commands:
   params    print the parameter count of a config or of every preset
   config    print the resolved config with every key, its default and its meaning
   bench     measure strategies / placements side by side (step time, memory, comm, idle)
+  forward   logits of a Hugging Face model directory for one sample (safetensors in and out)
   help      this text; 'dhp <command> --help' for a command's options
 
 With no command, 'dhp' runs 'dhp train'.
@@ -338,6 +342,49 @@ int cmd_params(int argc, char** argv, int first) {
   return 0;
 }
 
+int cmd_forward(int argc, char** argv, int first) {
+  const char* usage =
+      "usage: dhp forward --model DIR --inputs FILE.safetensors --out FILE.safetensors\n\n"
+      "Loads a Hugging Face Qwen2.5-VL directory (config.json + model.safetensors or a sharded index),\n"
+      "reads one sample from the inputs file as Hugging Face's processor gives it (input_ids [1, L]\n"
+      "int64; pixel_values [N, 1176] and image_grid_thw [I, 3] int64 when the sample has images) and\n"
+      "writes the logits of every position, [1, L, vocab] fp32, under the name 'logits', computed by\n"
+      "the training model code on one process (fp32).\n";
+  std::string model, inputs, out;
+  Flags flags(argc, argv, first);
+  while (flags.next()) {
+    const auto& f = flags.flag();
+    if (f == "-h" || f == "--help") {
+      std::printf("%s", usage);
+      return 0;
+    }
+    if (f == "--model") model = flags.value();
+    else if (f == "--inputs") inputs = flags.value();
+    else if (f == "--out") out = flags.value();
+    else DHP_FAIL("unknown option '", flags.raw(), "' (see dhp forward --help)");
+  }
+  DHP_CHECK(!model.empty() && !inputs.empty() && !out.empty(), "dhp forward needs --model, --inputs and --out\n\n",
+            usage);
+  const auto cfg = dhp::qwen::read_hf_config(model);
+  dhp::qwen::Qwen2_5_VL m(cfg);
+  std::map<std::string, torch::Tensor> params;
+  for (auto& kv : m->named_parameters(true)) params[kv.key()] = kv.value();
+  const auto unused = dhp::qwen::load_hf_weights(dhp::qwen::HfWeights(model), params);
+  if (!unused.empty()) dhp::log_warn(std::to_string(unused.size()) + " tensor(s) of " + model + " unused (first: " + unused.front() + ")");
+  dhp::io::SafetensorsReader in(inputs);
+  auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
+  DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
+  torch::Tensor logits;
+  try {
+    logits = dhp::qwen::forward_logits(*m, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
+  } catch (const dhp::Error& e) {
+    DHP_FAIL(inputs, ": ", e.what());
+  }
+  dhp::io::write_safetensors(out, {{"logits", logits}});
+  dhp::log_info("wrote logits " + std::to_string(logits.size(1)) + " x " + std::to_string(logits.size(2)) + " to " + out);
+  return 0;
+}
+
 int cmd_config(int argc, char** argv, int first) {
   auto a = parse(argc, argv, first, {"--config", "--set"});
   if (a.help) {
@@ -367,7 +414,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     const std::map<std::string, std::function<int(int, char**, int)>> cmds = {
-        {"train", cmd_train}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench}};
+        {"train", cmd_train}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench},
+        {"forward", cmd_forward}};
     auto it = cmds.find(cmd);
     if (it == cmds.end()) {
       std::fprintf(stderr, "dhp: unknown command '%s'\n\n%s", cmd.c_str(), kUsage);

@@ -103,6 +103,17 @@ double RunMetrics::idle_fraction(const std::vector<int64_t>& ranks) const {
   return n ? s / static_cast<double>(n) : 0;
 }
 
+double RunMetrics::mean_over(const std::vector<double>& per_rank, const std::vector<int64_t>& ranks) {
+  double s = 0;
+  int64_t n = 0;
+  for (auto r : ranks) {
+    if (r < 0 || r >= static_cast<int64_t>(per_rank.size())) continue;
+    s += per_rank[static_cast<size_t>(r)];
+    ++n;
+  }
+  return n ? s / static_cast<double>(n) : 0;
+}
+
 double RunMetrics::max_peak_bytes() const {
   return peak_bytes_per_rank.empty() ? 0 : *std::max_element(peak_bytes_per_rank.begin(), peak_bytes_per_rank.end());
 }
@@ -190,7 +201,7 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   RunMetrics r;
   std::string line;
   std::vector<double> step_s, patches_s, tokens_s, flops;
-  std::vector<std::vector<double>> comm, busy, idle;
+  std::vector<std::vector<double>> comm, busy, idle, vision, text;
   auto add = [](std::vector<std::vector<double>>& to, const std::vector<double>& v) {
     if (to.size() < v.size()) to.resize(v.size());
     for (size_t k = 0; k < v.size(); ++k) to[k].push_back(v[k]);
@@ -213,6 +224,9 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
       add(comm, n["comm_s_per_rank"].as<std::vector<double>>());
       add(busy, n["busy_s_per_rank"].as<std::vector<double>>());
       add(idle, n["idle_s_per_rank"].as<std::vector<double>>());
+      // Written since the per-module timers exist; older metrics files lack them.
+      if (n["vision_s_per_rank"]) add(vision, n["vision_s_per_rank"].as<std::vector<double>>());
+      if (n["text_s_per_rank"]) add(text, n["text_s_per_rank"].as<std::vector<double>>());
     } catch (const YAML::Exception& e) {
       DHP_FAIL(path, ":", lineno, ": not a metrics line (", e.what(), ")");
     }
@@ -226,6 +240,8 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   for (auto& c : comm) r.comm_s_per_rank.push_back(mean(c));
   for (auto& b : busy) r.busy_s_per_rank.push_back(mean(b));
   for (auto& i : idle) r.idle_s_per_rank.push_back(mean(i));
+  for (auto& v : vision) r.vision_s_per_rank.push_back(mean(v));
+  for (auto& t : text) r.text_s_per_rank.push_back(mean(t));
   return r;
 }
 

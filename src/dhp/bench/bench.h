@@ -49,8 +49,11 @@ struct RunMetrics {
   double step_time_s = 0, patches_per_s = 0, tokens_per_s = 0;
   double model_flops = 0;  // per step, whole job
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
+  std::vector<double> vision_s_per_rank, text_s_per_rank;  // inside each module's forward/backward
   double comm_fraction() const;          // mean over ranks of comm time / step time
   double idle_fraction(const std::vector<int64_t>& ranks) const;
+  // Mean over `ranks` of a per-rank figure (seconds per step).
+  static double mean_over(const std::vector<double>& per_rank, const std::vector<int64_t>& ranks);
   double max_peak_bytes() const;
 };
 

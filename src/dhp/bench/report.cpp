@@ -113,12 +113,12 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
     os << "\n";
   }
   os << "\n| point | vision patches | batch | throughput | step s | text tok/s | peak MiB per rank | comm % | "
-        "model GFLOP/s per rank | % of GEMM peak | idle % vision / text | layout |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "model GFLOP/s per rank | % of GEMM peak | idle % vision / text | vision s / text s | layout |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : results) {
     os << "| " << r.name << " | " << r.vision_tokens << " | ";
     if (!r.ok()) {
-      os << (r.oom ? "OOM (tried " + tried(r) + ")" : "failed: " + cell(r.error)) << " ||||||||| "
+      os << (r.oom ? "OOM (tried " + tried(r) + ")" : "failed: " + cell(r.error)) << " |||||||||| "
          << cell(r.layout) << " |\n";
       continue;
     }
@@ -129,6 +129,10 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
        << fmt("%.0f", 100 * m.comm_fraction()) << " | " << fmt("%.1f", job_gflops / static_cast<double>(o.nproc))
        << " | " << fmt("%.1f", gemm_peak > 0 ? 100 * job_gflops / gemm_peak : 0) << " | "
        << fmt("%.0f", 100 * m.idle_fraction(r.vision_ranks)) << " / " << fmt("%.0f", 100 * m.idle_fraction(r.text_ranks))
+       << " | "
+       << (m.vision_s_per_rank.empty() ? std::string("-")
+                                       : fmt("%.3f", RunMetrics::mean_over(m.vision_s_per_rank, r.vision_ranks)) +
+                                             " / " + fmt("%.3f", RunMetrics::mean_over(m.text_s_per_rank, r.text_ranks)))
        << " | " << cell(r.layout) << " |\n";
   }
   os << "\nGEMM peak measured in this run: " << fmt("%.1f", gemm_peak) << " GFLOP/s (whole machine, "
@@ -169,7 +173,9 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
         << ", \"busy_s_per_rank\": " << json_list(m.busy_s_per_rank)
         << ", \"idle_s_per_rank\": " << json_list(m.idle_s_per_rank)
         << ", \"idle_fraction_vision\": " << m.idle_fraction(r.vision_ranks)
-        << ", \"idle_fraction_text\": " << m.idle_fraction(r.text_ranks);
+        << ", \"idle_fraction_text\": " << m.idle_fraction(r.text_ranks)
+        << ", \"vision_s_per_rank\": " << json_list(m.vision_s_per_rank)
+        << ", \"text_s_per_rank\": " << json_list(m.text_s_per_rank);
     }
     f << ", \"sets\": [";
     for (size_t k = 0; k < r.sets.size(); ++k) f << (k ? ", " : "") << quoted(r.sets[k]);

@@ -1,6 +1,7 @@
 #include "dhp/train/config.h"
 
 #include "dhp/core/memory.h"
+#include "dhp/models/qwen2_5_vl/hf.h"
 
 namespace dhp {
 
@@ -13,11 +14,16 @@ Config load_config(const ConfigTree& tree) {
     Binder b(tree, model, "model.");
     b.field("preset", c.model.preset, "");
   }
+  if (model && model.IsMap() && model["from"]) {
+    Binder b(tree, model, "model.");
+    b.field("from", c.model.from, "");
+  }
+  const std::string key = c.model.from.empty() ? "model.preset" : "model.from";
   try {
-    c.model.config = qwen::preset(c.model.preset);
+    c.model.config = c.model.from.empty() ? qwen::preset(c.model.preset) : qwen::read_hf_config(c.model.from);
   } catch (const Error& e) {
-    const std::string o = tree.origin("model.preset");
-    DHP_FAIL("model.preset", o.empty() ? "" : " (from " + o + ")", ": ", e.what());
+    const std::string o = tree.origin(key);
+    DHP_FAIL(key, o.empty() ? "" : " (from " + o + ")", ": ", e.what());
   }
   Binder::bind(tree, root, "", c);
   c.validate();

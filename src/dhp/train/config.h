@@ -13,10 +13,14 @@ namespace dhp {
 
 struct ModelOptions {
   std::string preset = "demo";  // demo, bench, qwen2.5-vl-3b, -7b, -32b, -72b
-  qwen::ModelConfig config;     // the preset, with any model.vision.* / model.text.* override
+  std::string from;             // Hugging Face model directory to start from (replaces preset)
+  qwen::ModelConfig config;     // the preset (or from's config.json), with any model.vision.* / model.text.* override
   template <class V>
   void visit(V& v) {
     v.field("preset", preset, "demo, bench, qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-32b, qwen2.5-vl-72b");
+    v.field("from", from,
+            "Hugging Face model directory (config.json + model.safetensors or a sharded index) whose architecture "
+            "and weights training starts from; replaces model.preset (empty = initialise from training.seed)");
     config.visit(v);
   }
 };
@@ -118,8 +122,13 @@ struct ParallelOptions {
 
 struct OutputOptions {
   std::string dir = "runs/demo";  // run directory: metrics.jsonl, config.yaml
+  bool hf_export = false;         // write the trained model as a Hugging Face directory
   template <class V>
-  void visit(V& v) { v.field("dir", dir, "run directory (metrics.jsonl, config.yaml)"); }
+  void visit(V& v) {
+    v.field("dir", dir, "run directory (metrics.jsonl, config.yaml)");
+    v.field("hf_export", hf_export,
+            "at the end, write the trained model to <dir>/hf as a Hugging Face directory (config.json + safetensors)");
+  }
 };
 
 struct Config {

@@ -7,6 +7,8 @@
 
 #include "dhp/core/error.h"
 #include "dhp/core/memory.h"
+#include "dhp/core/log.h"
+#include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/parallel/data_parallel.h"
 #include "dhp/parallel/mappings.h"
 #include "dhp/parallel/parallelize.h"
@@ -76,6 +78,15 @@ std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model) {
 qwen::Qwen2_5_VL build_model(const Config& cfg) {
   qwen::Qwen2_5_VL m(cfg.model.config);
   qwen::init_parameters(*m, static_cast<uint64_t>(cfg.training.seed), cfg.model.config.initializer_range);
+  if (!cfg.model.from.empty()) {
+    std::map<std::string, torch::Tensor> params;
+    for (auto& kv : m->named_parameters(true)) params[kv.key()] = kv.value();
+    const auto unused = qwen::load_hf_weights(qwen::HfWeights(cfg.model.from), params);
+    if (!unused.empty()) {
+      log_warn("model.from=" + cfg.model.from + ": " + std::to_string(unused.size()) +
+               " tensor(s) the model does not use, ignored (first: " + unused.front() + ")");
+    }
+  }
   if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
   m->set_activation_checkpointing(cfg.training.activation_checkpointing);
   set_attention_block(*m, cfg.training.attention_block);
@@ -347,6 +358,9 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
       st.vision_grad = torch::Tensor();
       break;
   }
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (a.op == Op::kVisionForward || a.op == Op::kVisionBackward) result.vision_s += dt;
+  if (a.op == Op::kTextForwardBackward) result.text_s += dt;
   memory_mark(to_string({a}).c_str());
 }
 

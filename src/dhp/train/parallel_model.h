@@ -67,6 +67,8 @@ class ParallelModel {
   struct StepResult {
     double loss_sum = 0;  // this rank's share: a sum over the job is the step's loss sum
     double wait_s = 0;    // time blocked on the other module (receives, pending sends)
+    double vision_s = 0;  // time in the vision tower's forward and backward (VF, VB)
+    double text_s = 0;    // time in the decoder's forward and backward (TFB)
   };
   // Forward and backward of a step's global micro-batches through this rank's schedule;
   // losses scaled by 1/`global_targets`. Collective over the job. Takes the samples so that

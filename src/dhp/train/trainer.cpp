@@ -14,6 +14,7 @@
 #include "dhp/core/log.h"
 #include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
+#include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/train/flops.h"
 
 namespace dhp::train {
@@ -54,6 +55,8 @@ std::string metrics_json(const StepMetrics& m) {
   list("comm_s_per_rank", m.comm_s_per_rank);
   list("busy_s_per_rank", m.busy_s_per_rank);
   list("idle_s_per_rank", m.idle_s_per_rank);
+  list("vision_s_per_rank", m.vision_s_per_rank);
+  list("text_s_per_rank", m.text_s_per_rank);
   os << "}";
   return os.str();
 }
@@ -116,6 +119,7 @@ StepMetrics Trainer::train_step() {
   const auto fb = parallel_->forward_backward(std::move(micro), static_cast<double>(m.target_tokens));
   double loss_sum = fb.loss_sum;
   m.wait_s = fb.wait_s;
+  const double vision_s = fb.vision_s, text_s = fb.text_s;
   m.lr = lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
   m.grad_norm = parallel_->finish_step(m.lr, cfg_.training.grad_clip);
   loss_sum = parallel_->sum_over_job(loss_sum);
@@ -131,13 +135,16 @@ StepMetrics Trainer::train_step() {
   m.comm_calls = comm1.calls - comm0.calls;
   m.comm_bytes = comm1.bytes - comm0.bytes;
   // Busy = the step minus the time blocked on the other module (idle).
-  const auto per_rank = parallel_->gather_over_job(
-      {static_cast<double>(memory_peak_bytes()), m.comm_s, m.step_time_s - m.wait_s, m.wait_s});
-  for (size_t r = 0; r < per_rank.size() / 4; ++r) {
-    m.peak_bytes_per_rank.push_back(per_rank[4 * r]);
-    m.comm_s_per_rank.push_back(per_rank[4 * r + 1]);
-    m.busy_s_per_rank.push_back(per_rank[4 * r + 2]);
-    m.idle_s_per_rank.push_back(per_rank[4 * r + 3]);
+  constexpr size_t kFigures = 6;
+  const auto per_rank = parallel_->gather_over_job({static_cast<double>(memory_peak_bytes()), m.comm_s,
+                                                    m.step_time_s - m.wait_s, m.wait_s, vision_s, text_s});
+  for (size_t r = 0; r < per_rank.size() / kFigures; ++r) {
+    m.peak_bytes_per_rank.push_back(per_rank[kFigures * r]);
+    m.comm_s_per_rank.push_back(per_rank[kFigures * r + 1]);
+    m.busy_s_per_rank.push_back(per_rank[kFigures * r + 2]);
+    m.idle_s_per_rank.push_back(per_rank[kFigures * r + 3]);
+    m.vision_s_per_rank.push_back(per_rank[kFigures * r + 4]);
+    m.text_s_per_rank.push_back(per_rank[kFigures * r + 5]);
   }
   return m;
 }
@@ -254,6 +261,15 @@ EvalResult Trainer::run() {
     std::fflush(stderr);
   }
   const double train_s = total.seconds();
+  if (cfg_.output.hf_export) {
+    auto full = parallel_->full_parameters();  // collective; complete on rank 0
+    if (main) {
+      const auto hf = (dir / "hf").string();
+      qwen::save_hf(hf, full, cfg_.model.config);
+      log_info("wrote the trained model as a Hugging Face directory: " + hf);
+    }
+    parallel_->barrier();
+  }
   EvalResult ev;
   if (cfg_.data.eval_samples > 0) ev = evaluate(cfg_.data.eval_samples);
   if (!main) return ev;

@@ -33,6 +33,7 @@ struct StepMetrics {
   double wait_s = 0;           // this rank's time blocked on the other module (schedule receives)
   // Per rank of the job, rank-major (rank 0 has them all; other ranks their own only).
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
+  std::vector<double> vision_s_per_rank, text_s_per_rank;  // time in each module's forward/backward
 };
 
 struct EvalResult {
