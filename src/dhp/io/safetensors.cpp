@@ -11,6 +11,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <limits>
 #include <set>
 #include <string_view>
@@ -275,6 +277,15 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
     if (c.numel() > 0) f.write(c.data_ptr(), static_cast<size_t>(c.numel() * element_size(c.scalar_type())));
   }
   f.commit();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  DHP_CHECK(f.good(), "cannot read ", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  DHP_CHECK(!f.bad(), "error reading ", path);
+  return ss.str();
 }
 
 void write_file_atomic(const std::string& path, const std::string& bytes) {

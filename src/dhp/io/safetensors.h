@@ -80,5 +80,7 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 // Writes `bytes` to `path` the same atomic way (temporary name, fsync, rename, fsync of
 // the directory).
 void write_file_atomic(const std::string& path, const std::string& bytes);
+// The whole file as bytes; throws dhp::Error naming it when it cannot be read.
+std::string read_file(const std::string& path);
 
 }  // namespace dhp::io

@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "dhp/core/error.h"
 #include "dhp/io/safetensors.h"
@@ -18,13 +16,7 @@ namespace {
 namespace fs = std::filesystem;
 using io::Json;
 
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  DHP_CHECK(f.good(), "cannot read ", p.string());
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+std::string slurp(const fs::path& p) { return io::read_file(p.string()); }
 
 // Field lookup in the first of `scopes` that has it.
 struct Fields {
