@@ -367,10 +367,7 @@ int cmd_forward(int argc, char** argv, int first) {
             usage);
   const auto cfg = dhp::qwen::read_hf_config(model);
   dhp::qwen::Qwen2_5_VL m(cfg);
-  std::map<std::string, torch::Tensor> params;
-  for (auto& kv : m->named_parameters(true)) params[kv.key()] = kv.value();
-  const auto unused = dhp::qwen::load_hf_weights(dhp::qwen::HfWeights(model), params);
-  if (!unused.empty()) dhp::log_warn(std::to_string(unused.size()) + " tensor(s) of " + model + " unused (first: " + unused.front() + ")");
+  dhp::qwen::load_hf_weights(model, *m);
   dhp::io::SafetensorsReader in(inputs);
   auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
   DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");

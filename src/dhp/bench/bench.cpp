@@ -93,14 +93,7 @@ std::string fmt_eta(double s) {
 double RunMetrics::comm_fraction() const { return step_time_s > 0 ? mean(comm_s_per_rank) / step_time_s : 0; }
 
 double RunMetrics::idle_fraction(const std::vector<int64_t>& ranks) const {
-  double s = 0;
-  int64_t n = 0;
-  for (auto r : ranks) {
-    if (r < 0 || r >= static_cast<int64_t>(idle_s_per_rank.size())) continue;
-    s += idle_s_per_rank[static_cast<size_t>(r)] / step_time_s;
-    ++n;
-  }
-  return n ? s / static_cast<double>(n) : 0;
+  return step_time_s > 0 ? mean_over(idle_s_per_rank, ranks) / step_time_s : 0;
 }
 
 double RunMetrics::mean_over(const std::vector<double>& per_rank, const std::vector<int64_t>& ranks) {

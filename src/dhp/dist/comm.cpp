@@ -172,8 +172,8 @@ torch::Tensor Group::reduce_scatter_sum(const torch::Tensor& flat) const {
   // which then holds every member's copy of its chunk and adds them up.
   const std::vector<int64_t> rows(static_cast<size_t>(size()), n);
   auto parts = all_to_all(flat, rows, rows).view({size(), n});
-  auto sum = parts[0].to(torch::kFloat32);  // a copy even for fp32 input (the parts are freed)
-  if (sum.data_ptr() == parts.data_ptr()) sum = sum.clone();
+  // A copy even for fp32 input, so that the received buffer is freed on return.
+  auto sum = parts[0].to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
   for (int64_t j = 1; j < size(); ++j) sum.add_(parts[j]);
   return sum;
 }

@@ -42,8 +42,6 @@ std::vector<int64_t> ints_of(const Json& j, const std::string& what) {
   return out;
 }
 
-std::string slurp(const fs::path& p) { return io::read_file(p.string()); }
-
 Json tensor_json(const TensorRecord& t, bool with_file) {
   Json e = Json::object();
   e.set("dtype", Json(t.dtype));
@@ -195,7 +193,7 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
   const fs::path mpath = fs::path(dir) / "manifest.json";
   DHP_CHECK(fs::exists(mpath), dir, ": no manifest.json (not a checkpoint, or one whose save did not finish)");
   const std::string what = mpath.string();
-  const auto m = Json::parse(slurp(mpath), what);
+  const auto m = Json::parse(read_file(mpath.string()), what);
   DHP_CHECK(m.at("format", what).str(what) == "dhp-checkpoint", what, ": not a dhp checkpoint manifest");
   DHP_CHECK(m.at("format_version", what).integer(what) == 1, what, ": unsupported format_version");
   manifest_.step = m.at("step", what).integer(what + " step");

@@ -10,13 +10,10 @@ Config load_config(const ConfigTree& tree) {
   const YAML::Node& root = tree.root();
   // The model preset decides the defaults the rest of the model section overrides.
   YAML::Node model = root["model"];
-  if (model && model.IsMap() && model["preset"]) {
+  if (model && model.IsMap()) {
     Binder b(tree, model, "model.");
-    b.field("preset", c.model.preset, "");
-  }
-  if (model && model.IsMap() && model["from"]) {
-    Binder b(tree, model, "model.");
-    b.field("from", c.model.from, "");
+    if (model["preset"]) b.field("preset", c.model.preset, "");
+    if (model["from"]) b.field("from", c.model.from, "");
   }
   const std::string key = c.model.from.empty() ? "model.preset" : "model.from";
   try {

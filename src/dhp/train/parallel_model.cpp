@@ -7,7 +7,6 @@
 
 #include "dhp/core/error.h"
 #include "dhp/core/memory.h"
-#include "dhp/core/log.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/parallel/data_parallel.h"
 #include "dhp/parallel/mappings.h"
@@ -78,15 +77,7 @@ std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model) {
 qwen::Qwen2_5_VL build_model(const Config& cfg) {
   qwen::Qwen2_5_VL m(cfg.model.config);
   qwen::init_parameters(*m, static_cast<uint64_t>(cfg.training.seed), cfg.model.config.initializer_range);
-  if (!cfg.model.from.empty()) {
-    std::map<std::string, torch::Tensor> params;
-    for (auto& kv : m->named_parameters(true)) params[kv.key()] = kv.value();
-    const auto unused = qwen::load_hf_weights(qwen::HfWeights(cfg.model.from), params);
-    if (!unused.empty()) {
-      log_warn("model.from=" + cfg.model.from + ": " + std::to_string(unused.size()) +
-               " tensor(s) the model does not use, ignored (first: " + unused.front() + ")");
-    }
-  }
+  if (!cfg.model.from.empty()) qwen::load_hf_weights(cfg.model.from, *m);
   if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
   m->set_activation_checkpointing(cfg.training.activation_checkpointing);
   set_attention_block(*m, cfg.training.attention_block);
@@ -226,6 +217,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   for (Module* mod : {vision_.get(), text_.get()}) {
     if (!mod->member) continue;
     const bool vis = mod == vision_.get();
+    std::vector<bool> once_over_tp;  // counted on one rank of its TP group (TP shards: on each)
     if (mod->zero3) {
       mod->params = mod->zero3->shards();
       mod->in_norm.assign(mod->params.size(), true);
@@ -233,17 +225,17 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
       for (const auto& p : all) {
         if (is_vision(p.name) != vis) continue;
         mod->params.push_back(p);
-        mod->in_norm.push_back(mod->pg.data.rank() == 0 && (mod->tp_map.count(p.name) || mod->coord.tp == 0));
+        once_over_tp.push_back(mod->tp_map.count(p.name) || mod->coord.tp == 0);
+        mod->in_norm.push_back(mod->pg.data.rank() == 0 && once_over_tp.back());
       }
     }
+    // Elements of a ZeRO-1 slice are unique over the data group, so the slicing replaces
+    // in_norm's data-rank condition.
     if (mod->layout.zero == 1) {
-      // Elements of a ZeRO-1 slice are unique over the data group; in_norm's data-rank
-      // condition is replaced by the slicing.
-      std::vector<bool> once_over_tp;
-      for (const auto& p : mod->params) once_over_tp.push_back(mod->tp_map.count(p.name) || mod->coord.tp == 0);
       mod->zero1 = std::make_unique<parallel::Zero1AdamW>(mod->params, o, mod->pg.data, once_over_tp);
+    } else {
+      mod->adam = std::make_unique<AdamW>(mod->params, o);
     }
-    else mod->adam = std::make_unique<AdamW>(mod->params, o);
   }
 }
 

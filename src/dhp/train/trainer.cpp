@@ -119,7 +119,6 @@ StepMetrics Trainer::train_step() {
   const auto fb = parallel_->forward_backward(std::move(micro), static_cast<double>(m.target_tokens));
   double loss_sum = fb.loss_sum;
   m.wait_s = fb.wait_s;
-  const double vision_s = fb.vision_s, text_s = fb.text_s;
   m.lr = lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
   m.grad_norm = parallel_->finish_step(m.lr, cfg_.training.grad_clip);
   loss_sum = parallel_->sum_over_job(loss_sum);
@@ -137,7 +136,7 @@ StepMetrics Trainer::train_step() {
   // Busy = the step minus the time blocked on the other module (idle).
   constexpr size_t kFigures = 6;
   const auto per_rank = parallel_->gather_over_job({static_cast<double>(memory_peak_bytes()), m.comm_s,
-                                                    m.step_time_s - m.wait_s, m.wait_s, vision_s, text_s});
+                                                    m.step_time_s - m.wait_s, m.wait_s, fb.vision_s, fb.text_s});
   for (size_t r = 0; r < per_rank.size() / kFigures; ++r) {
     m.peak_bytes_per_rank.push_back(per_rank[kFigures * r]);
     m.comm_s_per_rank.push_back(per_rank[kFigures * r + 1]);

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "dhp/core/error.h"
+#include "dhp/core/log.h"
 #include "dhp/io/safetensors.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 
@@ -15,8 +16,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using io::Json;
-
-std::string slurp(const fs::path& p) { return io::read_file(p.string()); }
 
 // Field lookup in the first of `scopes` that has it.
 struct Fields {
@@ -170,7 +169,7 @@ Json config_to_hf(const ModelConfig& c, torch::ScalarType dtype) {
 ModelConfig read_hf_config(const std::string& dir) {
   const auto path = (fs::path(dir) / "config.json").string();
   DHP_CHECK(fs::exists(path), "model directory ", dir, " has no config.json");
-  return config_from_hf(Json::parse(slurp(path), path), path);
+  return config_from_hf(Json::parse(io::read_file(path), path), path);
 }
 
 std::string canonical_name(const std::string& n) {
@@ -190,7 +189,7 @@ HfWeights::HfWeights(const std::string& dir) : dir_(dir) {
   };
   const auto index = d / "model.safetensors.index.json";
   if (fs::exists(index)) {
-    const auto j = Json::parse(slurp(index), index.string());
+    const auto j = Json::parse(io::read_file(index.string()), index.string());
     for (const auto& [name, file] : j.at("weight_map", index.string()).items(index.string() + " weight_map")) {
       const auto& f = file.str(index.string() + " weight_map \"" + name + "\"");
       DHP_CHECK(f.find('/') == std::string::npos && !f.empty(), index.string(), ": shard name \"", f,
@@ -226,28 +225,29 @@ std::vector<std::string> HfWeights::names() const {
 
 bool HfWeights::contains(const std::string& name) const { return entries_.count(name) > 0; }
 
-std::string HfWeights::file_of(const std::string& name) const {
+const HfWeights::Entry& HfWeights::entry(const std::string& name) const {
   auto it = entries_.find(name);
   DHP_CHECK(it != entries_.end(), dir_, ": no tensor ", name);
-  return (fs::path(dir_) / it->second.file).string();
+  return it->second;
+}
+
+std::string HfWeights::file_of(const std::string& name) const {
+  return (fs::path(dir_) / entry(name).file).string();
 }
 
 std::vector<int64_t> HfWeights::shape(const std::string& name) const {
-  auto it = entries_.find(name);
-  DHP_CHECK(it != entries_.end(), dir_, ": no tensor ", name);
-  return reader(it->second.file).info(it->second.hf_name).shape;
+  const auto& e = entry(name);
+  return reader(e.file).info(e.hf_name).shape;
 }
 
 torch::Tensor HfWeights::read(const std::string& name) const {
-  auto it = entries_.find(name);
-  DHP_CHECK(it != entries_.end(), dir_, ": no tensor ", name);
-  return reader(it->second.file).read(it->second.hf_name);
+  const auto& e = entry(name);
+  return reader(e.file).read(e.hf_name);
 }
 
 torch::Tensor HfWeights::read_rows(const std::string& name, int64_t start, int64_t count) const {
-  auto it = entries_.find(name);
-  DHP_CHECK(it != entries_.end(), dir_, ": no tensor ", name);
-  return reader(it->second.file).read_rows(it->second.hf_name, start, count);
+  const auto& e = entry(name);
+  return reader(e.file).read_rows(e.hf_name, start, count);
 }
 
 std::vector<std::string> load_hf_weights(const HfWeights& w, std::map<std::string, torch::Tensor>& params) {
@@ -265,6 +265,16 @@ std::vector<std::string> load_hf_weights(const HfWeights& w, std::map<std::strin
     if (params.count(n) == 0 && !(tied && n == "lm_head.weight")) unused.push_back(n);
   }
   return unused;
+}
+
+void load_hf_weights(const std::string& dir, Qwen2_5_VLImpl& model) {
+  std::map<std::string, torch::Tensor> params;
+  for (auto& kv : model.named_parameters(true)) params[kv.key()] = kv.value();
+  const auto unused = load_hf_weights(HfWeights(dir), params);
+  if (!unused.empty()) {
+    log_warn(dir + ": " + std::to_string(unused.size()) + " tensor(s) the model does not use, ignored (first: " +
+             unused.front() + ")");
+  }
 }
 
 void save_hf(const std::string& dir, const std::map<std::string, torch::Tensor>& params, const ModelConfig& c,

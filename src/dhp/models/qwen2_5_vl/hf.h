@@ -61,6 +61,7 @@ class HfWeights {
   struct Entry {
     std::string file, hf_name;
   };
+  const Entry& entry(const std::string& name) const;  // throws naming the directory
   const io::SafetensorsReader& reader(const std::string& file) const;
   std::string dir_;
   std::map<std::string, Entry> entries_;
@@ -72,6 +73,9 @@ class HfWeights {
 // parameter, the file and both shapes; tensors in the directory that the model does not
 // have are returned (the caller logs them). A tied model ignores lm_head.weight.
 std::vector<std::string> load_hf_weights(const HfWeights& w, std::map<std::string, torch::Tensor>& params);
+// Loads every parameter of `model` from the directory `dir` as above and logs a warning
+// naming the tensors of the directory the model does not use.
+void load_hf_weights(const std::string& dir, Qwen2_5_VLImpl& model);
 
 // Writes an HF directory: config.json and the tensors as model.safetensors, or as shards
 // of at most `max_shard_bytes` with model.safetensors.index.json when they do not fit in
