@@ -19,6 +19,22 @@ inline std::filesystem::path temp_dir(const std::string& name) {
   return d;
 }
 
+// temp_dir() that is removed again when it goes out of scope.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& name) : path_(temp_dir(name)) {}
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
 inline std::string slurp(const std::filesystem::path& p) {
   std::ifstream f(p, std::ios::binary);
   std::stringstream ss;

@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -126,6 +127,62 @@ TEST(Launcher, AFailingRankStopsTheJobAndIsNamed) {
   fs::remove_all(dir);
 }
 
+// A worker SIGKILLed before step 4 under --max-restarts 1: the launcher stops the other,
+// restarts both from the newest checkpoint (step 2), and every step's loss equals the
+// uninterrupted run's, bit for bit (same layout). A failure in every attempt gives up.
+TEST(Launcher, AKilledWorkerIsRestartedFromTheNewestCheckpoint) {
+  const auto whole = tmpdir("whole"), killed = tmpdir("killed"), failing = tmpdir("failing");
+  const std::string run = std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dhp" + kTiny +
+                          " --set training.steps=6 --set checkpoint.every=2";
+  auto a = sh(run + " --out " + whole.string());
+  ASSERT_EQ(a.rc, 0) << a.output;
+  auto b = sh("DHP_TEST_KILL_AT=1:4 " + run + " --max-restarts 1 --out " + killed.string());
+  ASSERT_EQ(b.rc, 0) << b.output;
+  EXPECT_NE(b.output.find("rank 1 failed (killed by signal"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("resumed from " + (killed / "checkpoints" / "step-2").string() + " at step 2"),
+            std::string::npos) << b.output;
+  const auto la = losses(whole), lb = losses(killed);
+  ASSERT_EQ(la.size(), 6u);
+  ASSERT_EQ(lb.size(), 6u) << b.output;
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(lb[i], la[i]) << "step " << i + 1;
+  auto c = sh("DHP_TEST_FAIL_AT=1:4 " + run + " --max-restarts 1 --out " + failing.string());
+  EXPECT_NE(c.rc, 0) << c.output;
+  EXPECT_NE(c.output.find("giving up after 1 restart(s)"), std::string::npos) << c.output;
+  for (const auto& d : {whole, killed, failing}) fs::remove_all(d);
+}
+
+// One process stopped by an error after step 4, then `dhp train --resume`: it continues
+// from step-4 and the losses equal an uninterrupted run's; a damaged newest checkpoint is
+// reported and the previous one used.
+TEST(Launcher, ResumeContinuesAnInterruptedRun) {
+  const auto whole = tmpdir("whole1"), cut = tmpdir("cut");
+  const std::string run = std::string(DHP_BINARY) + " train" + kTiny + " --set training.steps=6 --set checkpoint.every=2";
+  auto a = sh(run + " --out " + whole.string());
+  ASSERT_EQ(a.rc, 0) << a.output;
+  auto b = sh("DHP_TEST_FAIL_AT=0:6 " + run + " --out " + cut.string());
+  ASSERT_NE(b.rc, 0) << b.output;
+  EXPECT_EQ(losses(cut).size(), 5u);
+  // Damage step-4: the resume falls back to step-2.
+  {
+    std::fstream f(cut / "checkpoints" / "step-4" / "rank-00000.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-64, std::ios::end);
+    f.write("XXXXXXXX", 8);
+  }
+  auto c = sh(run + " --resume --out " + cut.string());
+  ASSERT_EQ(c.rc, 0) << c.output;
+  EXPECT_NE(c.output.find("step-4 is unusable"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("checksum"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("falling back to " + (cut / "checkpoints" / "step-2").string()), std::string::npos)
+      << c.output;
+  const auto la = losses(whole), lb = losses(cut);
+  ASSERT_EQ(lb.size(), 6u) << c.output;
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(lb[i], la[i]) << "step " << i + 1;
+  fs::remove_all(whole);
+  fs::remove_all(cut);
+}
+
 TEST(Launcher, ImpossibleLayoutIsRefusedBeforeWorkersStart) {
   auto r = sh(std::string(DHP_BINARY) + " train --nproc 3 --set parallel.strategy=tp" + kTiny);
   EXPECT_EQ(r.rc, 1) << r.output;
@@ -173,6 +230,52 @@ TEST(Forward, WritesTheLogitsOfAnHfDirectory) {
   EXPECT_NE(r.rc, 0);
   EXPECT_NE(r.output.find("has no tensor \'input_ids\'"), std::string::npos) << r.output;
   fs::remove_all(dir);
+}
+
+// `dhp convert`: a checkpoint written by 2 ranks (dhp, bf16) becomes the same Hugging Face
+// directory as the run's own export of its gathered parameters (byte-identical tensors and
+// config.json); --dtype fp32 writes the fp32 masters.
+TEST(Convert, ACheckpointExportsLikeTheRunsOwnExport) {
+  const auto run = tmpdir("convert");
+  auto a = sh(std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dhp --set training.precision=bf16" +
+              kTiny + " --set output.hf_export=true --out " + run.string());
+  ASSERT_EQ(a.rc, 0) << a.output;
+  auto b = sh(std::string(DHP_BINARY) + " convert --checkpoint " + (run / "checkpoints").string() + " --out " +
+              (run / "converted").string());
+  ASSERT_EQ(b.rc, 0) << b.output;
+  EXPECT_NE(b.output.find("step 3"), std::string::npos) << b.output;
+  dhp::io::SafetensorsReader want((run / "hf" / "model.safetensors").string()),
+      got((run / "converted" / "model.safetensors").string());
+  auto names = [](const dhp::io::SafetensorsReader& r) {
+    std::vector<std::string> out;
+    for (const auto& t : r.tensors()) out.push_back(t.name);
+    return out;
+  };
+  ASSERT_EQ(names(got), names(want));
+  for (const auto& name : names(want)) {
+    const auto w = want.bytes(name), g = got.bytes(name);
+    ASSERT_EQ(g.second, w.second) << name;
+    EXPECT_EQ(std::memcmp(g.first, w.first, static_cast<size_t>(w.second)), 0) << name;
+  }
+  std::ifstream c1(run / "hf" / "config.json"), c2(run / "converted" / "config.json");
+  std::stringstream s1, s2;
+  s1 << c1.rdbuf();
+  s2 << c2.rdbuf();
+  EXPECT_EQ(s1.str(), s2.str());
+  auto c = sh(std::string(DHP_BINARY) + " convert --dtype fp32 --checkpoint " + (run / "checkpoints" / "step-3").string() +
+              " --out " + (run / "fp32").string());
+  ASSERT_EQ(c.rc, 0) << c.output;
+  dhp::io::SafetensorsReader f32((run / "fp32" / "model.safetensors").string());
+  for (const auto& name : names(f32)) {
+    auto t = f32.read(name);
+    EXPECT_EQ(t.scalar_type(), torch::kFloat32) << name;
+    EXPECT_TRUE(torch::equal(t.to(torch::kBFloat16), want.read(name))) << name;
+  }
+  auto d = sh(std::string(DHP_BINARY) + " convert --checkpoint " + (run / "nowhere").string() + " --out " +
+              (run / "x").string());
+  EXPECT_NE(d.rc, 0);
+  EXPECT_NE(d.output.find("neither a checkpoint"), std::string::npos) << d.output;
+  fs::remove_all(run);
 }
 
 }  // namespace

@@ -115,9 +115,13 @@ void report_worker_error(const std::string& message) {
   f << us << "\n" << message;
 }
 
-int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
+namespace {
+
+// One attempt: starts the workers, waits for all of them. rc 0 on success; `worker_failed`
+// tells a worker's failure (restartable) from a stop asked of the launcher.
+int run_attempt(int64_t nproc, const std::vector<std::string>& argv, int64_t restart, bool& worker_failed) {
   namespace fs = std::filesystem;
-  DHP_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  worker_failed = false;
   const int port = std::getenv("MASTER_PORT") ? static_cast<int>(*env_int("MASTER_PORT")) : free_port();
   const fs::path errdir = fs::temp_directory_path() / ("dhp-errors-" + std::to_string(::getpid()));
   fs::create_directories(errdir);
@@ -143,6 +147,7 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
       ::setenv("MASTER_ADDR", "127.0.0.1", 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       ::setenv("DHP_LAUNCHED", "1", 1);
+      ::setenv("DHP_RESTART", std::to_string(restart).c_str(), 1);
       ::setenv("DHP_ERROR_FILE", (errdir / ("rank" + std::to_string(r))).c_str(), 1);
       ::execv("/proc/self/exe", args.data());
       std::fprintf(stderr, "dhp: cannot start worker %lld: %s\n", static_cast<long long>(r), std::strerror(errno));
@@ -158,7 +163,8 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
     for (int64_t r = 0; r < nproc; ++r)
       if (!done[r]) ::kill(pids[r], sig);
   };
-  bool stopping = false;
+  bool stopping = false, escalated = false;
+  int64_t killed = -1;  // first worker killed from outside
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   while (alive > 0) {
     int status = 0;
@@ -174,6 +180,12 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
         // error may be the cause, see below); one killed by a signal failed unless we sent it.
         const bool errored = WIFEXITED(status) && WEXITSTATUS(status) != 0;
         if ((errored || (!ok && !stopping)) && failed < 0) failed = r;
+        // Killed by a signal we did not send (SIGTERM when stopping, SIGKILL after the grace):
+        // the cause, whatever errors the others then report about their broken connections.
+        if (WIFSIGNALED(status) && killed < 0) {
+          const int sig = WTERMSIG(status);
+          if (!((sig == SIGTERM && stopping) || (sig == SIGKILL && escalated))) killed = r;
+        }
       }
       continue;
     }
@@ -185,18 +197,20 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
     }
     if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
       stop_all(SIGKILL);
+      escalated = true;
       stop_deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   int rc = 0;
   if (failed >= 0) {
-    // Several ranks may fail together (the others' collectives break when one exits): the
-    // first error written is the cause.
+    // Several ranks may fail together (the others' collectives break when one exits): a
+    // worker killed from outside is the cause, else the first error written.
+    if (killed >= 0) failed = killed;
     std::string err;
     long long first = -1;
     // Any rank that recorded an error counts, even one we stopped while it was exiting.
-    for (int64_t r = 0; r < nproc; ++r) {
+    for (int64_t r = 0; r < nproc && killed < 0; ++r) {
       const std::string text = read_file(errdir / ("rank" + std::to_string(r)));
       const auto nl = text.find('\n');
       const long long t = nl == std::string::npos ? -1 : std::atoll(text.substr(0, nl).c_str());
@@ -209,12 +223,39 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv) {
     std::fprintf(stderr, "dhp: rank %lld failed (%s)%s%s; stopped the other workers\n", static_cast<long long>(failed),
                  describe_status(statuses[failed]).c_str(), err.empty() ? "" : ": ", err.c_str());
     rc = 1;
+    worker_failed = !g_stop_signal;
   } else if (g_stop_signal) {
     rc = 128 + g_stop_signal;
   }
   std::error_code ec;
   fs::remove_all(errdir, ec);
   return rc;
+}
+
+}  // namespace
+
+int run_workers(int64_t nproc, const std::vector<std::string>& argv, int64_t max_restarts) {
+  DHP_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  DHP_CHECK(max_restarts >= 0, "--max-restarts must be >= 0, got ", max_restarts);
+  auto args = argv;
+  for (int64_t restart = 0;; ++restart) {
+    bool worker_failed = false;
+    const int rc = run_attempt(nproc, args, restart, worker_failed);
+    if (rc == 0 || !worker_failed || restart >= max_restarts) {
+      if (rc != 0 && worker_failed && max_restarts > 0) {
+        std::fprintf(stderr, "dhp: giving up after %lld restart(s) (--max-restarts %lld)\n",
+                     static_cast<long long>(restart), static_cast<long long>(max_restarts));
+      }
+      return rc;
+    }
+    std::fprintf(stderr, "dhp: restart %lld of %lld: restarting all %lld workers from the newest complete checkpoint\n",
+                 static_cast<long long>(restart + 1), static_cast<long long>(max_restarts),
+                 static_cast<long long>(nproc));
+    if (restart == 0) {  // later --set win: every restart resumes from the newest checkpoint
+      args.push_back("--set");
+      args.push_back("checkpoint.resume=auto");
+    }
+  }
 }
 
 }  // namespace dhp::launch

@@ -16,7 +16,9 @@
 #include "dhp/train/config.h"
 #include "dhp/train/trainer.h"
 #include "dhp/bench/bench.h"
+#include "dhp/io/checkpoint_store.h"
 #include "dhp/io/safetensors.h"
+#include "dhp/train/checkpoint.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 #include "launch.h"
@@ -33,6 +35,7 @@ commands:
   config    print the resolved config with every key, its default and its meaning
   bench     measure strategies / placements side by side (step time, memory, comm, idle)
   forward   logits of a Hugging Face model directory for one sample (safetensors in and out)
+  convert   export a training checkpoint (any layout) as a Hugging Face model directory
   help      this text; 'dhp <command> --help' for a command's options
 
 With no command, 'dhp' runs 'dhp train'.
@@ -50,7 +53,9 @@ struct Args {
   bool help = false;
   bool all = false;
   bool print_schedule = false;
+  bool resume = false;
   int64_t nproc = 1;
+  int64_t max_restarts = 0;
 };
 
 // Walks the flags of argv from `first`: "--flag VALUE" or "--flag=VALUE" (split at the
@@ -113,31 +118,46 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& all
       a.all = true;
     } else if (f == "--print-schedule") {
       a.print_schedule = true;
-    } else if (f == "--nproc") {
+    } else if (f == "--resume") {
+      a.resume = true;
+    } else if (f == "--nproc" || f == "--max-restarts") {
       const std::string v = next();
+      int64_t x = -1;
       try {
-        a.nproc = std::stoll(v);
+        size_t used = 0;
+        x = std::stoll(v, &used);
+        if (used != v.size()) x = -1;
       } catch (const std::exception&) {
-        DHP_FAIL("--nproc expects a positive integer, got '", v, "'");
       }
+      DHP_CHECK(x >= (f == "--nproc" ? 1 : 0), f, " expects a ", f == "--nproc" ? "positive" : "non-negative",
+                " integer, got '", v, "'");
+      (f == "--nproc" ? a.nproc : a.max_restarts) = x;
     }
   }
   return a;
 }
 
 int cmd_train(int argc, char** argv, int first) {
-  auto a = parse(argc, argv, first, {"--config", "--set", "--out", "--nproc", "--print-schedule"});
+  auto a = parse(argc, argv, first,
+                 {"--config", "--set", "--out", "--nproc", "--print-schedule", "--resume", "--max-restarts"});
   if (a.help) {
     std::printf(
-        "usage: dhp train [--config FILE] [--set KEY=VALUE]... [--out DIR] [--nproc N] [--print-schedule]\n\n"
+        "usage: dhp train [--config FILE] [--set KEY=VALUE]... [--out DIR] [--nproc N] [--resume]\n"
+        "                 [--max-restarts K] [--print-schedule]\n\n"
         "Trains the configured model (default: the demo preset on the built-in shapes task),\n"
         "showing step, loss, tokens/s, ETA and peak memory, then evaluates held-out answers.\n"
         "Writes DIR/metrics.jsonl (one JSON object per step: step, loss, lr, grad_norm,\n"
         "tokens_per_s, peak_bytes, ...), DIR/config.yaml (the resolved config) and\n"
-        "DIR/summary.json (first/final loss, held-out exact-match accuracy).\n\n"
+        "DIR/summary.json (first/final loss, held-out exact-match accuracy), and checkpoints\n"
+        "(checkpoint.*: every K steps and at the end, into DIR/checkpoints/step-N; the newest 3 kept).\n\n"
         "options:\n%s  --out DIR         run directory (default: output.dir = runs/demo)\n"
         "  --nproc N         start N local worker processes (ranks 0..N-1, rendezvous on a free\n"
         "                    port of 127.0.0.1) and supervise them; one failing stops all\n"
+        "  --resume          continue from the newest complete checkpoint (checkpoint.resume=auto;\n"
+        "                    a damaged one is reported and the previous one used; none: from step 0).\n"
+        "                    Any layout or number of ranks loads any checkpoint\n"
+        "  --max-restarts K  when a worker dies, stop the others and restart the whole job from the\n"
+        "                    newest complete checkpoint, up to K times (default 0)\n"
         "  --print-schedule  print each rank's layout and the actions of one step (VF vision\n"
         "                    forward, SA/RA send/receive embeddings, TFB text forward+backward,\n"
         "                    SG/RG send/receive their gradients, VB vision backward) and exit\n\n"
@@ -149,6 +169,7 @@ int cmd_train(int argc, char** argv, int first) {
     return 0;
   }
   if (!a.out.empty()) a.sets.push_back("output.dir=" + a.out);
+  if (a.resume) a.sets.push_back("checkpoint.resume=auto");
   auto cfg = dhp::load_config(a.config, a.sets);
   const auto env = dhp::launch::worker_env();
   if (a.print_schedule) {
@@ -170,7 +191,9 @@ int cmd_train(int argc, char** argv, int first) {
   if (!env) {
     DHP_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
     dhp::train::resolve_layouts(cfg, a.nproc);  // refuse an impossible layout before any worker starts
-    if (a.nproc > 1) return dhp::launch::run_workers(a.nproc, std::vector<std::string>(argv, argv + argc));
+    if (a.nproc > 1 || a.max_restarts > 0) {
+      return dhp::launch::run_workers(a.nproc, std::vector<std::string>(argv, argv + argc), a.max_restarts);
+    }
   } else {
     DHP_CHECK(a.nproc == 1 || a.nproc == env->world, "--nproc ", a.nproc, " but the ", env->launcher,
               " environment says WORLD_SIZE=", env->world);
@@ -382,6 +405,45 @@ int cmd_forward(int argc, char** argv, int first) {
   return 0;
 }
 
+int cmd_convert(int argc, char** argv, int first) {
+  const char* usage =
+      "usage: dhp convert --checkpoint DIR --out HFDIR [--dtype same|bf16|fp32]\n\n"
+      "Exports the model of a training checkpoint (DIR: a step-N directory, or a checkpoint root\n"
+      "whose newest complete step-N is used), saved under any layout, as a Hugging Face\n"
+      "Qwen2.5-VL directory: config.json and model.safetensors (shards of at most 5 GiB with\n"
+      "model.safetensors.index.json when larger) with transformers' parameter names.\n\n"
+      "  --dtype same   the parameters as trained (default)\n"
+      "  --dtype fp32   fp32; a bf16 run's fp32 master weights when the checkpoint has them\n"
+      "  --dtype bf16   bf16 (rounded from the masters when the checkpoint has them)\n";
+  std::string checkpoint, out, dtype = "same";
+  Flags flags(argc, argv, first);
+  while (flags.next()) {
+    const auto& f = flags.flag();
+    if (f == "-h" || f == "--help") {
+      std::printf("%s", usage);
+      return 0;
+    }
+    if (f == "--checkpoint") checkpoint = flags.value();
+    else if (f == "--out") out = flags.value();
+    else if (f == "--dtype") dtype = flags.value();
+    else DHP_FAIL("unknown option '", flags.raw(), "' (see dhp convert --help)");
+  }
+  DHP_CHECK(!checkpoint.empty() && !out.empty(), "dhp convert needs --checkpoint and --out\n\n", usage);
+  DHP_CHECK(dtype == "same" || dtype == "bf16" || dtype == "fp32", "--dtype must be same, bf16 or fp32, got '", dtype,
+            "'");
+  const auto dir = dhp::train::find_checkpoint(checkpoint);
+  dhp::io::CheckpointReader r(dir);
+  const auto cfg = dhp::train::checkpoint_config(r);
+  auto params = dhp::train::checkpoint_parameters(r, /*masters=*/dtype != "same");
+  if (dtype != "same") {
+    for (auto& [name, t] : params) t = t.to(dtype == "bf16" ? torch::kBFloat16 : torch::kFloat32);
+  }
+  dhp::qwen::save_hf(out, params, cfg.model.config);
+  dhp::log_info("wrote " + std::to_string(params.size()) + " tensors of " + dir + " (step " +
+                std::to_string(r.manifest().step) + ") as a Hugging Face directory: " + out);
+  return 0;
+}
+
 int cmd_config(int argc, char** argv, int first) {
   auto a = parse(argc, argv, first, {"--config", "--set"});
   if (a.help) {
@@ -411,7 +473,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const std::map<std::string, std::function<int(int, char**, int)>> cmds = {
-        {"train", cmd_train}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench},
+        {"train", cmd_train}, {"convert", cmd_convert}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench},
         {"forward", cmd_forward}};
     auto it = cmds.find(cmd);
     if (it == cmds.end()) {

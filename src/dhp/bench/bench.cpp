@@ -249,7 +249,8 @@ PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t
   r.sets = o.sets;
   r.sets.insert(r.sets.end(), p.sets.begin(), p.sets.end());
   for (const auto& s : {"data.min_side=" + std::to_string(side), "data.max_side=" + std::to_string(side),
-                        "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0")}) {
+                        "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0"),
+                        std::string("checkpoint.at_end=false")}) {
     r.sets.push_back(s);
   }
   if (!o.memory_limit.empty()) r.sets.push_back("training.memory_limit=" + o.memory_limit);

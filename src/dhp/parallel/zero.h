@@ -33,6 +33,16 @@ class Zero1AdamW {
   void zero_grad();
   int64_t state_numel() const { return master_.numel(); }  // this rank's slice
   int64_t total_numel() const { return total_; }
+  // This rank's slice: elements [slice_begin(), slice_begin() + state_numel()) of the
+  // parameters laid end to end (in constructor order; past total_numel() is padding).
+  // The tensors are writable in place (checkpoint loading).
+  int64_t slice_begin() const { return lo_; }
+  const torch::Tensor& master() const { return master_; }
+  const torch::Tensor& exp_avg() const { return exp_avg_; }
+  const torch::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
+  const std::vector<train::NamedParam>& params() const { return params_; }
+  int64_t step_count() const { return step_; }
+  void set_step_count(int64_t n) { step_ = n; }
 
  private:
   torch::Tensor flat_grads() const;  // (padded) in the parameters' dtype

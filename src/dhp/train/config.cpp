@@ -68,6 +68,12 @@ void Config::validate() const {
               "parallel.strategy=custom needs parallel.vision.strategy and parallel.text.strategy");
   }
   DHP_CHECK(!output.dir.empty(), "output.dir must not be empty");
+  DHP_CHECK(checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = only at the end), got ", checkpoint.every);
+  DHP_CHECK(checkpoint.keep >= 0, "checkpoint.keep must be >= 0 (0 = keep all), got ", checkpoint.keep);
+}
+
+std::string checkpoint_root(const Config& cfg) {
+  return cfg.checkpoint.dir.empty() ? cfg.output.dir + "/checkpoints" : cfg.checkpoint.dir;
 }
 
 }  // namespace dhp

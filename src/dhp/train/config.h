@@ -131,12 +131,31 @@ struct OutputOptions {
   }
 };
 
+struct CheckpointOptions {
+  std::string dir;         // where step-N directories go ("" = <output.dir>/checkpoints)
+  int64_t every = 0;       // save every K steps (0 = none during training)
+  int64_t keep = 3;        // keep the newest M (0 = all)
+  bool at_end = true;      // save after the last step
+  std::string resume;      // "" = start fresh, auto = newest usable under dir, or a step-N directory
+  template <class V>
+  void visit(V& v) {
+    v.field("dir", dir, "directory of the step-N checkpoints (empty = <output.dir>/checkpoints)");
+    v.field("every", every, "save a checkpoint every this many steps (0 = only at the end, see at_end)");
+    v.field("keep", keep, "keep the newest this many checkpoints, delete older ones (0 = keep all)");
+    v.field("at_end", at_end, "save a checkpoint after the last step");
+    v.field("resume", resume,
+            "empty = start fresh; auto = continue from the newest complete checkpoint in dir (falling back to "
+            "older ones when one is damaged; fresh when there is none); or a checkpoint directory (step-N)");
+  }
+};
+
 struct Config {
   ModelOptions model;
   DataOptions data;
   TrainingOptions training;
   ParallelOptions parallel;
   OutputOptions output;
+  CheckpointOptions checkpoint;
   template <class V>
   void visit(V& v) {
     v.section("model", model, "model architecture (a preset plus overrides)");
@@ -144,6 +163,7 @@ struct Config {
     v.section("training", training, "optimisation");
     v.section("parallel", parallel, "parallel strategy");
     v.section("output", output, "where results go");
+    v.section("checkpoint", checkpoint, "saving and resuming the training state");
   }
   // Throws dhp::Error naming the bad key and value.
   void validate() const;
@@ -152,5 +172,7 @@ struct Config {
 // Loads the config: defaults, then the file (if any), then each --set in order.
 Config load_config(const std::string& file, const std::vector<std::string>& sets);
 Config load_config(const ConfigTree& tree);
+// checkpoint.dir, or <output.dir>/checkpoints when empty.
+std::string checkpoint_root(const Config& cfg);
 
 }  // namespace dhp

@@ -31,12 +31,17 @@ class AdamW {
   void step(double lr);
   void zero_grad();
   int64_t step_count() const { return step_; }
+  void set_step_count(int64_t n) { step_ = n; }  // resuming: the bias corrections continue from n
   const std::vector<NamedParam>& params() const { return params_; }
 
- private:
+  // Per parameter: fp32 master (the parameter itself when it is fp32) and moments. Writable
+  // in place (checkpoint loading).
   struct State {
     torch::Tensor master, exp_avg, exp_avg_sq;
   };
+  const std::vector<State>& state() const { return state_; }
+
+ private:
   std::vector<NamedParam> params_;
   std::vector<State> state_;
   AdamWOptions options_;

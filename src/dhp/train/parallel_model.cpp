@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "dhp/core/error.h"
 #include "dhp/core/memory.h"
@@ -474,6 +475,92 @@ std::vector<double> ParallelModel::gather_over_job(const std::vector<double>& x)
 }
 
 void ParallelModel::barrier() const { job_.barrier(); }
+
+std::vector<std::string> ParallelModel::all_gather_strings(const std::string& s) const {
+  if (rt_.world == 1) return {s};
+  // Bytes padded to whole int64 words (the collectives take int64).
+  const int64_t n = static_cast<int64_t>(s.size());
+  auto len = torch::tensor({n}, torch::kInt64);
+  len = job_.all_gather(len, 0);
+  const int64_t most = len.max().item<int64_t>();
+  const int64_t words = (most + 7) / 8;
+  auto buf = torch::zeros({std::max<int64_t>(1, words)}, torch::kInt64);
+  std::memcpy(buf.data_ptr(), s.data(), s.size());
+  auto all = job_.all_gather(buf, 0).contiguous();
+  std::vector<std::string> out;
+  const auto* bytes = static_cast<const char*>(all.data_ptr());
+  for (int64_t r = 0; r < rt_.world; ++r) {
+    out.emplace_back(bytes + r * buf.numel() * 8, static_cast<size_t>(len[r].item<int64_t>()));
+  }
+  return out;
+}
+
+std::vector<CheckpointPiece> ParallelModel::checkpoint_pieces() {
+  std::vector<CheckpointPiece> out;
+  for (Module* m : {vision_.get(), text_.get()}) {
+    if (!m->member) continue;
+    const int64_t tp_rank = m->pg.tp.rank(), tp_size = m->pg.tp.size();
+    const bool data_first = m->pg.data.rank() == 0;
+    int64_t flat_at = 0;  // ZeRO-1: where parameter i starts in the flat vector
+    for (size_t i = 0; i < m->params.size(); ++i) {
+      const auto& p = m->params[i];
+      const auto& shape = full_shapes_.at(p.name);
+      const auto it = m->tp_map.find(p.name);
+      const parallel::TpShard how = it == m->tp_map.end() ? parallel::TpShard{} : it->second;
+      const bool tp_unique = it != m->tp_map.end() || m->coord.tp == 0;  // one TP rank writes a replicated one
+      const bool fp32 = p.param.scalar_type() == torch::kFloat32;
+      auto add = [&](const char* kind, const torch::Tensor& data, int64_t begin, bool write) {
+        CheckpointPiece c;
+        c.name = std::string(kind) + "/" + p.name;
+        c.shape = shape;
+        c.tp = how;
+        c.tp_rank = tp_rank;
+        c.tp_size = tp_size;
+        c.begin = begin;
+        c.data = data;
+        c.write = write;
+        out.push_back(std::move(c));
+      };
+      if (m->zero3) {
+        // The shard holds elements [rank * chunk, +chunk) of the flattened parameter, padded.
+        const int64_t chunk = p.param.numel(), total = c10::multiply_integers(shape);
+        const int64_t lo = std::min(total, m->pg.dp.rank() * chunk), n = std::min(total, lo + chunk) - lo;
+        const auto& st = m->adam->state()[i];
+        add("param", p.param.detach().narrow(0, 0, n), lo, true);
+        if (!fp32) add("master", st.master.narrow(0, 0, n), lo, true);
+        add("exp_avg", st.exp_avg.narrow(0, 0, n), lo, true);
+        add("exp_avg_sq", st.exp_avg_sq.narrow(0, 0, n), lo, true);
+        continue;
+      }
+      add("param", p.param.detach().view({-1}), 0, data_first && tp_unique);
+      if (m->zero1) {
+        const auto& z = *m->zero1;
+        const int64_t numel = p.param.numel(), lo = z.slice_begin(), hi = lo + z.state_numel();
+        const int64_t b = std::max(flat_at, lo), e = std::min(flat_at + numel, hi);
+        flat_at += numel;
+        if (b >= e) continue;
+        // An fp32 model's masters equal its parameters: loaded, not saved.
+        add("master", z.master().narrow(0, b - lo, e - b), b - (flat_at - numel), tp_unique && !fp32);
+        add("exp_avg", z.exp_avg().narrow(0, b - lo, e - b), b - (flat_at - numel), tp_unique);
+        add("exp_avg_sq", z.exp_avg_sq().narrow(0, b - lo, e - b), b - (flat_at - numel), tp_unique);
+        continue;
+      }
+      const auto& st = m->adam->state()[i];
+      if (!fp32) add("master", st.master.view({-1}), 0, data_first && tp_unique);
+      add("exp_avg", st.exp_avg.view({-1}), 0, data_first && tp_unique);
+      add("exp_avg_sq", st.exp_avg_sq.view({-1}), 0, data_first && tp_unique);
+    }
+  }
+  return out;
+}
+
+void ParallelModel::set_optimizer_steps(int64_t n) {
+  for (Module* m : {vision_.get(), text_.get()}) {
+    if (!m->member) continue;
+    if (m->zero1) m->zero1->set_step_count(n);
+    else m->adam->set_step_count(n);
+  }
+}
 
 bool ParallelModel::plain() const { return rt_.world == 1 && !vision_->zero3 && !text_->zero3; }
 

@@ -29,6 +29,7 @@
 #include "dhp/dist/layout.h"
 #include "dhp/dist/process_groups.h"
 #include "dhp/models/qwen2_5_vl/model.h"
+#include "dhp/train/checkpoint.h"
 #include "dhp/train/config.h"
 #include "dhp/train/optim.h"
 #include "dhp/train/schedule.h"
@@ -95,6 +96,14 @@ class ParallelModel {
   // Every rank's `x` (same length everywhere), rank-major: result[r * x.size() + i].
   std::vector<double> gather_over_job(const std::vector<double>& x) const;
   void barrier() const;
+  // Every rank's `s`, rank-major, on every rank (collective).
+  std::vector<std::string> all_gather_strings(const std::string& s) const;
+
+  // What this rank holds of every parameter and optimizer-state tensor, for checkpoints
+  // (checkpoint.h): views into the live tensors; across the job each element has exactly
+  // one writer. Loading all pieces (then set_optimizer_steps) restores the training state.
+  std::vector<CheckpointPiece> checkpoint_pieces();
+  void set_optimizer_steps(int64_t n);
 
   // True when this rank's model is the whole single-process model (one rank, no ZeRO-3).
   bool plain() const;

@@ -1,6 +1,8 @@
 #include "dhp/train/trainer.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -9,11 +11,14 @@
 #include <iomanip>
 #include <sstream>
 #include <limits>
+#include <mutex>
 #include <thread>
 
 #include "dhp/core/log.h"
 #include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
+#include "dhp/io/checkpoint_store.h"
+#include "dhp/io/json.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/train/flops.h"
 
@@ -81,12 +86,159 @@ Trainer::Trainer(const Config& cfg, const Runtime& rt)
     DHP_CHECK(std::sscanf(f, "%lld:%lld", &r, &s) == 2, "DHP_TEST_FAIL_AT='", f, "' must be RANK:STEP");
     if (r == rt_.rank) fail_at_step_ = s;
   }
+  // Test hook: DHP_TEST_KILL_AT=RANK:STEP makes that rank SIGKILL itself before that step,
+  // in the first attempt of a job only (the launcher counts restarts in DHP_RESTART).
+  const char* restart = std::getenv("DHP_RESTART");
+  if (const char* f = std::getenv("DHP_TEST_KILL_AT"); f && *f && (!restart || std::string(restart) == "0")) {
+    long long r = -1, s = -1;
+    DHP_CHECK(std::sscanf(f, "%lld:%lld", &r, &s) == 2, "DHP_TEST_KILL_AT='", f, "' must be RANK:STEP");
+    if (r == rt_.rank) kill_at_step_ = s;
+  }
+  resume();
+}
+
+std::string Trainer::save_checkpoint() {
+  namespace fs = std::filesystem;
+  Timer timer;
+  const fs::path root(checkpoint_root(cfg_));
+  const std::string name = "step-" + std::to_string(step_);
+  const fs::path tmp = root / ("." + name + ".tmp"), final_dir = root / name;
+  std::string error;
+  if (is_main()) {
+    try {
+      fs::remove_all(tmp);
+      fs::create_directories(tmp);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  error = parallel_->all_gather_strings(error)[0];
+  DHP_CHECK(error.empty(), "checkpoint ", final_dir.string(), " not written: ", error);
+  // Every rank writes its pieces; the records (or the error) travel to rank 0.
+  std::string record;
+  int64_t bytes = 0;
+  try {
+    char file[32];
+    std::snprintf(file, sizeof(file), "rank-%05lld.safetensors", static_cast<long long>(rt_.rank));
+    io::SliceWriter w(file);
+    const auto pieces = parallel_->checkpoint_pieces();
+    add_pieces(w, pieces);
+    for (const auto& p : pieces)
+      if (p.write) bytes += p.data.numel() * p.data.element_size();
+    if (is_main()) {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      torch::Tensor rng;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        rng = gen.get_state();
+      }
+      w.add("rng/cpu", {rng.numel()}, {0}, rng);
+    }
+    record = "+" + w.write(tmp.string());
+  } catch (const std::exception& e) {
+    record = "!rank " + std::to_string(rt_.rank) + ": " + e.what();
+  }
+  const auto records = parallel_->all_gather_strings(record);
+  bytes = static_cast<int64_t>(parallel_->sum_over_job(static_cast<double>(bytes)));
+  if (is_main()) {
+    std::vector<std::string> ok;
+    for (const auto& r : records) {
+      if (r[0] == '!' && error.empty()) error = r.substr(1);
+      ok.push_back(r.substr(1));
+    }
+    try {
+      if (!error.empty()) DHP_FAIL(error);
+      io::Json meta = io::Json::object();
+      meta.set("samples_seen", io::Json(sample_base_ + (step_ - base_step_) * cfg_.data.batch_size));
+      meta.set("batch_size", io::Json(cfg_.data.batch_size));
+      meta.set("world", io::Json(rt_.world));
+      meta.set("layout", io::Json(describe(parallel_->layouts())));
+      meta.set("precision", io::Json(cfg_.training.precision));
+      meta.set("dhp_version", io::Json(std::string(DHP_VERSION)));
+      meta.set("config", io::Json(to_yaml(cfg_)));
+      io::commit_checkpoint(tmp.string(), final_dir.string(), step_, meta, ok);
+      io::prune_checkpoints(root.string(), cfg_.checkpoint.keep);
+    } catch (const std::exception& e) {
+      error = e.what();
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+  }
+  error = parallel_->all_gather_strings(error)[0];  // rank 0's verdict
+  DHP_CHECK(error.empty(), "checkpoint ", final_dir.string(), " not written (earlier ones are kept): ", error);
+  if (is_main()) {
+    const double s = timer.seconds();
+    char line[160];
+    std::snprintf(line, sizeof(line), " (%.1f MB in %.2f s, %.0f MB/s)", static_cast<double>(bytes) / 1e6, s,
+                  static_cast<double>(bytes) / 1e6 / std::max(s, 1e-9));
+    log_info("saved checkpoint " + final_dir.string() + line);
+  }
+  return final_dir.string();
+}
+
+void Trainer::load_checkpoint(const std::string& dir) {
+  io::CheckpointReader r(dir);
+  load_pieces(r, parallel_->checkpoint_pieces());
+  const auto& meta = r.manifest().meta;
+  const std::string what = dir + "/manifest.json meta";
+  step_ = r.manifest().step;
+  base_step_ = step_;
+  sample_base_ = meta.at("samples_seen", what).integer(what + " samples_seen");
+  parallel_->set_optimizer_steps(step_);
+  if (r.has("rng/cpu")) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(r.read_full("rng/cpu"));
+  }
+}
+
+void Trainer::resume() {
+  namespace fs = std::filesystem;
+  const auto& how = cfg_.checkpoint.resume;
+  if (how.empty()) return;
+  const std::string root = checkpoint_root(cfg_);
+  std::vector<std::string> dirs;
+  if (how == "auto") {
+    // Rank 0's listing decides, so every rank tries the same checkpoints.
+    std::string list;
+    if (is_main())
+      for (const auto& c : io::list_checkpoints(root)) list += c.second + "\n";
+    list = parallel_->all_gather_strings(list)[0];
+    for (size_t a = 0, b; (b = list.find('\n', a)) != std::string::npos; a = b + 1) dirs.push_back(list.substr(a, b - a));
+    if (dirs.empty()) {
+      if (is_main()) log_info("checkpoint.resume=auto: no checkpoint under " + root + "; starting from step 0");
+      return;
+    }
+  } else {
+    dirs.push_back(how);
+  }
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    std::string error;
+    try {
+      load_checkpoint(dirs[i]);
+    } catch (const std::exception& e) {
+      error = "rank " + std::to_string(rt_.rank) + ": " + e.what();
+    }
+    std::string first;
+    for (const auto& e : parallel_->all_gather_strings(error))
+      if (first.empty()) first = e;
+    if (first.empty()) {
+      if (is_main()) log_info("resumed from " + dirs[i] + " at step " + std::to_string(step_));
+      return;
+    }
+    DHP_CHECK(how == "auto", "cannot resume from checkpoint.resume=", how, ": ", first);
+    if (i + 1 == dirs.size()) {
+      DHP_FAIL("checkpoint.resume=auto: no usable checkpoint under ", root, "; the oldest, ", dirs[i], ", failed with: ",
+               first);
+    }
+    if (is_main()) log_warn("checkpoint " + dirs[i] + " is unusable (" + first + "); falling back to " + dirs[i + 1]);
+  }
 }
 
 std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const {
   const int64_t B = cfg_.data.batch_size, M = cfg_.training.micro_batches;
   std::vector<std::vector<data::Sample>> out;
-  int64_t next = step * B;
+  int64_t next = sample_base_ + (step - base_step_) * B;
   for (int64_t mb = 0; mb < M; ++mb) {
     const int64_t n = B / M + (mb < B % M ? 1 : 0);
     std::vector<data::Sample> samples;
@@ -99,6 +251,7 @@ std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const
 StepMetrics Trainer::train_step() {
   DHP_CHECK(step_ + 1 != fail_at_step_, "injected failure on rank ", rt_.rank, " at step ", step_ + 1,
             " (DHP_TEST_FAIL_AT)");
+  if (step_ + 1 == kill_at_step_) ::raise(SIGKILL);
   Timer timer;
   reset_memory_peak();
   const auto comm0 = dist::comm_stats();
@@ -218,12 +371,29 @@ EvalResult Trainer::run() {
   const fs::path dir(cfg_.output.dir);
   const bool main = is_main();  // rank 0 alone reports and writes
   std::ofstream metrics;
+  double first_loss = 0, last_loss = 0;
   if (main) {
     fs::create_directories(dir);
     std::ofstream c(dir / "config.yaml");
     c << "# resolved dhp config (dhp " << DHP_VERSION << ")\n" << to_yaml(cfg_);
+    // Resumed: the lines of the steps up to the checkpoint stay, later ones (from an
+    // interrupted attempt) are written again.
+    std::string kept;
+    if (step_ > 0) {
+      std::ifstream old(dir / "metrics.jsonl");
+      std::string line;
+      while (std::getline(old, line)) {
+        const auto p = line.find("\"step\": ");
+        if (p != std::string::npos && std::atoll(line.c_str() + p + 8) <= step_) kept += line + "\n";
+      }
+    }
     metrics.open(dir / "metrics.jsonl");
     DHP_CHECK(metrics.good(), "cannot write ", (dir / "metrics.jsonl").string());
+    metrics << kept;
+    if (!kept.empty()) {
+      first_loss = std::atof(kept.c_str() + kept.find("\"loss\": ") + 8);
+      last_loss = std::atof(kept.c_str() + kept.rfind("\"loss\": ") + 8);
+    }
   }
   const auto pc = qwen::count_parameters(cfg_.model.config);
   if (main) {
@@ -237,15 +407,19 @@ EvalResult Trainer::run() {
   }
   const bool tty = isatty(2);
   Timer total;
-  double first_loss = 0, last_loss = 0;
-  for (int64_t s = 0; s < cfg_.training.steps; ++s) {
+  const int64_t start = step_;
+  const auto& ck = cfg_.checkpoint;
+  for (int64_t s = step_; s < cfg_.training.steps; ++s) {
     auto m = train_step();
+    const bool last = step_ == cfg_.training.steps;
+    if ((ck.every > 0 && step_ % ck.every == 0) || (last && ck.at_end)) save_checkpoint();
     if (!main) continue;
     metrics << metrics_json(m) << "\n";
     metrics.flush();
     if (s == 0) first_loss = m.loss;
     last_loss = m.loss;
-    const double eta = total.seconds() / static_cast<double>(s + 1) * static_cast<double>(cfg_.training.steps - s - 1);
+    const double eta =
+        total.seconds() / static_cast<double>(s + 1 - start) * static_cast<double>(cfg_.training.steps - s - 1);
     char line[256];
     std::snprintf(line, sizeof(line), "step %lld/%lld loss %.4f lr %.2e tok/s %.0f ETA %s peak %s",
                   static_cast<long long>(m.step), static_cast<long long>(cfg_.training.steps), m.loss, m.lr,

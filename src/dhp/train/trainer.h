@@ -65,15 +65,29 @@ class Trainer {
   // only of the samples this rank's vision replica encodes (all of them on one process).
   std::vector<std::vector<data::Sample>> step_samples(int64_t step) const;
   bool is_main() const { return rt_.rank == 0; }
+  int64_t step() const { return step_; }  // optimizer steps taken (including those resumed from)
+
+  // Writes the whole training state as checkpoint_root(cfg)/step-<step> (collective; see
+  // checkpoint.h and docs/checkpoint_format.md), keeps the newest checkpoint.keep. Throws
+  // on every rank when any rank fails to write; the previous checkpoints stay.
+  std::string save_checkpoint();
+  // Restores the training state from a checkpoint directory saved under any layout
+  // (collective). Throws naming the file on a missing, truncated or corrupted one.
+  void load_checkpoint(const std::string& dir);
 
  private:
+  // checkpoint.resume (constructor): nothing, a directory, or the newest usable one.
+  void resume();
   EvalResult evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samples);
   Config cfg_;
   Runtime rt_;
   std::unique_ptr<ParallelModel> parallel_;
   data::ShapesDataset train_data_, eval_data_;
   int64_t step_ = 0;
+  // Step base_step_ starts at sample sample_base_ (both 0 unless resumed).
+  int64_t base_step_ = 0, sample_base_ = 0;
   int64_t fail_at_step_ = -1;  // DHP_TEST_FAIL_AT test hook
+  int64_t kill_at_step_ = -1;  // DHP_TEST_KILL_AT test hook
 };
 
 }  // namespace dhp::train
