@@ -1,8 +1,11 @@
 // Save and load throughput of model weights through dhp's safetensors code, in one run:
 // writes a Hugging Face directory of a model of a few hundred MB (the bench preset widened,
 // bf16 and fp32), in one file and sharded, reads it back whole and by rows (what a
-// tensor-parallel rank reads), and prints MB/s for each. Files go to --dir (default: the
-// system temp dir) and are removed at the end.
+// tensor-parallel rank reads), and prints MB/s for each. Then whole training checkpoints
+// of the same model (parameters + AdamW state, through Trainer::save_checkpoint and
+// load_checkpoint) on 1 rank and on 2 ranks (threads) under dhp (vision sp=2 + ZeRO-1,
+// text tp=2), fp32 and bf16. Files go to --dir (default: the system temp dir) and are
+// removed at the end.
 //   ./build/dhp-bench-io [--dir DIR] [--layers N]
 #include <torch/torch.h>
 #include <unistd.h>
@@ -14,9 +17,14 @@
 #include <string>
 
 #include "dhp/core/error.h"
+#include "dhp/core/log.h"
 #include "dhp/core/memory.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/models/qwen2_5_vl/model.h"
+#include "dhp/train/trainer.h"
+
+#include <mutex>
+#include <thread>
 
 namespace {
 
@@ -66,6 +74,61 @@ void run(const fs::path& dir, const std::map<std::string, torch::Tensor>& params
   fs::remove_all(dir);
 }
 
+// A training checkpoint of the model: save (every rank writes its pieces in parallel, rank 0
+// commits) and load (every rank reads its boxes), timed on rank 0 between barriers.
+void run_checkpoint(const fs::path& dir, int64_t layers, int64_t world, const std::string& precision) {
+  fs::remove_all(dir);
+  const std::vector<std::string> sets = {
+      "model.preset=bench", "model.text.num_layers=" + std::to_string(layers), "model.text.vocab_size=32768",
+      "training.precision=" + precision, "parallel.strategy=" + std::string(world > 1 ? "dhp" : "none"),
+      "checkpoint.dir=" + dir.string(), "output.dir=" + (dir / "run").string(), "data.eval_samples=0",
+      "training.threads=1"};
+  const auto cfg = dhp::load_config("", sets);
+  auto store = dhp::dist::make_hash_store();
+  double save_s = 0, load_s = 0;
+  std::mutex mu;
+  auto body = [&](int64_t rank) {
+    dhp::train::Runtime rt;
+    rt.rank = rank;
+    rt.world = world;
+    if (world > 1) rt.store = std::make_shared<dhp::dist::Store>(store);
+    dhp::train::Trainer t(cfg, rt);
+    t.parallel_model().barrier();
+    auto t0 = std::chrono::steady_clock::now();
+    const auto path = t.save_checkpoint();
+    t.parallel_model().barrier();
+    const double s = seconds_since(t0);
+    t0 = std::chrono::steady_clock::now();
+    t.load_checkpoint(path);
+    t.parallel_model().barrier();
+    const double l = seconds_since(t0);
+    if (rank == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      save_s = s;
+      load_s = l;
+    }
+  };
+  if (world == 1) {
+    body(0);
+  } else {
+    std::vector<std::thread> threads;
+    for (int64_t r = 0; r < world; ++r) threads.emplace_back(body, r);
+    for (auto& th : threads) th.join();
+  }
+  int64_t bytes = 0, files = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.path().extension() == ".safetensors") {
+      bytes += static_cast<int64_t>(e.file_size());
+      ++files;
+    }
+  }
+  const double mb = static_cast<double>(bytes) / 1e6;
+  std::printf("checkpoint %-5s %lld rank(s) %8.1f MB  %3lld file(s)  save %7.0f MB/s  load %7.0f MB/s\n",
+              precision.c_str(), static_cast<long long>(world), mb, static_cast<long long>(files), mb / save_s,
+              mb / load_s);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -96,6 +159,13 @@ int main(int argc, char** argv) {
     run(dir, fp32, c, "fp32, one file", int64_t{1} << 40);
     run(dir, fp32, c, "fp32, 64 MB shards", 64LL << 20);
     run(dir, bf16, c, "bf16, one file", int64_t{1} << 40);
+    fp32.clear();
+    bf16.clear();
+    m = nullptr;
+    dhp::set_log_level(dhp::LogLevel::kWarn);  // the trainer's own save lines
+    for (const char* precision : {"fp32", "bf16"}) {
+      for (int64_t world : {1, 2}) run_checkpoint(dir, layers, world, precision);
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dhp-bench-io: error: %s\n", e.what());

@@ -16,6 +16,7 @@
 
 #include "dhp/core/error.h"
 #include "dhp/io/checkpoint_store.h"
+#include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/train/checkpoint.h"
 #include "dhp/train/trainer.h"
 #include "files.h"
@@ -284,6 +285,39 @@ TEST(Resharding, Bf16CheckpointLoadsIntoFp32FromTheMasters) {
   for (const auto& [name, p] : b.params) {
     EXPECT_EQ(p.scalar_type(), torch::kFloat32) << name;
     EXPECT_TRUE(torch::equal(p, r.read_full("master/" + name))) << name;
+  }
+}
+
+// model.from under parallel layouts: each rank reads its own slices of the HF directory
+// (TP shards, ZeRO-3 ranges) and the gathered parameters are the directory's, bit for bit
+// (fp32; bf16: rounded once); the first step's loss equals the single-process run's.
+TEST(StartFromHf, EveryLayoutLoadsItsSlicesExactly) {
+  dhp::testing::TempDir dir("ckpt-from-hf");
+  const auto root = dir.path().string();
+  {
+    auto cfg = config({"training.steps=1", "output.hf_export=true", "checkpoint.at_end=false"}, root);
+    dhp::train::Trainer t(cfg);
+    t.run();
+  }
+  const auto hf = (dir.path() / "run" / "hf").string();
+  const auto ref = train(1, config({"model.from=" + hf}, root), 0, 0);
+  const auto ref_step = train(1, config({"model.from=" + hf}, root), 1, 0);
+  const dhp::qwen::HfWeights w(hf);
+  ASSERT_EQ(w.names().size(), ref.params.size());
+  for (const auto& [name, p] : ref.params) EXPECT_TRUE(torch::equal(p, w.read(name))) << name;
+  for (const auto& s : {kStrategies[2], kStrategies[3], kStrategies[4], kStrategies[5], kStrategies[7]}) {
+    auto sets = s.sets;
+    sets.push_back("model.from=" + hf);
+    const bool bf16 = std::string(s.name).find("bf16") != std::string::npos;
+    const auto got = train(s.world, config(sets, root), 0, 0);
+    ASSERT_EQ(got.params.size(), ref.params.size()) << s.name;
+    for (const auto& [name, p] : ref.params) {
+      EXPECT_TRUE(torch::equal(got.params.at(name), bf16 ? p.to(torch::kBFloat16) : p)) << s.name << " " << name;
+    }
+    if (!bf16) {
+      const auto step = train(s.world, config(sets, root), 1, 0);
+      EXPECT_NEAR(step.losses[0], ref_step.losses[0], 1e-5 * ref_step.losses[0]) << s.name;
+    }
   }
 }
 

@@ -2,6 +2,8 @@
 // and by any box (what resharding needs); a save that never committed is invisible; a
 // missing rank file, a truncated or corrupted file is refused naming the file; pruning.
 #include <gtest/gtest.h>
+
+#include <vector>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -23,6 +25,24 @@ TEST(CheckpointStore, Crc32KnownValue) {
   const char* s = "123456789";
   EXPECT_EQ(dhp::io::crc32(s, 9), 0xCBF43926u);
   EXPECT_EQ(dhp::io::crc32(s + 4, 5, dhp::io::crc32(s, 4)), 0xCBF43926u);  // continues
+  // The 8-bytes-at-a-time code against the bit-by-bit definition, every length and split.
+  auto bitwise = [](const uint8_t* p, size_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; ++i) {
+      c ^= p[i];
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    }
+    return ~c;
+  };
+  std::vector<uint8_t> buf(4099);
+  uint32_t x = 12345;
+  for (auto& b : buf) b = static_cast<uint8_t>((x = x * 1103515245u + 12345u) >> 16);
+  for (size_t n : {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, 4099}) {
+    EXPECT_EQ(dhp::io::crc32(buf.data(), n), bitwise(buf.data(), n)) << n;
+    const size_t cut = n / 3;
+    EXPECT_EQ(dhp::io::crc32(buf.data() + cut, n - cut, dhp::io::crc32(buf.data(), cut)), bitwise(buf.data(), n)) << n;
+    EXPECT_EQ(dhp::io::crc32(buf.data() + 1, n ? n - 1 : 0), bitwise(buf.data() + 1, n ? n - 1 : 0)) << n;  // unaligned
+  }
 }
 
 struct Saved {

@@ -16,6 +16,7 @@
 
 #include <torch/torch.h>
 
+#include "dhp/io/checkpoint_store.h"
 #include "dhp/io/safetensors.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/models/qwen2_5_vl/model.h"
@@ -152,6 +153,38 @@ TEST(Launcher, AKilledWorkerIsRestartedFromTheNewestCheckpoint) {
   for (const auto& d : {whole, killed, failing}) fs::remove_all(d);
 }
 
+// Rank 0 SIGKILLed in the middle of saving step 4 (its files written, no manifest, no
+// rename): step-2 stays the newest checkpoint, the half-written one is invisible, and the
+// restarted job continues from step 2 to the uninterrupted run's losses; the stale
+// temporary directory is removed by the next save.
+TEST(Launcher, ASaveKilledMidwayLeavesThePreviousCheckpoint) {
+  const auto whole = tmpdir("whole2"), cut = tmpdir("cut2");
+  const std::string run = std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=tp" + kTiny +
+                          " --set training.steps=6 --set checkpoint.every=2";
+  auto a = sh(run + " --out " + whole.string());
+  ASSERT_EQ(a.rc, 0) << a.output;
+  auto b = sh("DHP_TEST_KILL_IN_SAVE=4 " + run + " --out " + cut.string());
+  ASSERT_NE(b.rc, 0) << b.output;
+  EXPECT_TRUE(fs::exists(cut / "checkpoints" / "step-2" / "manifest.json"));
+  EXPECT_FALSE(fs::exists(cut / "checkpoints" / "step-4"));
+  EXPECT_TRUE(fs::exists(cut / "checkpoints" / ".step-4.tmp" / "rank-00000.safetensors")) << b.output;
+  EXPECT_FALSE(fs::exists(cut / "checkpoints" / ".step-4.tmp" / "manifest.json"));
+  auto c = sh(run + " --resume --out " + cut.string());
+  ASSERT_EQ(c.rc, 0) << c.output;
+  EXPECT_NE(c.output.find("at step 2"), std::string::npos) << c.output;
+  EXPECT_FALSE(fs::exists(cut / "checkpoints" / ".step-4.tmp"));
+  const auto la = losses(whole), lb = losses(cut);
+  ASSERT_EQ(lb.size(), 6u) << c.output;
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(lb[i], la[i]) << "step " << i + 1;
+  // The finished models are identical too.
+  dhp::io::CheckpointReader ra((whole / "checkpoints" / "step-6").string()), rb((cut / "checkpoints" / "step-6").string());
+  for (const auto& [name, rec] : ra.manifest().tensors) {
+    if (name.rfind("param/", 0) == 0) EXPECT_TRUE(torch::equal(ra.read_full(name), rb.read_full(name))) << name;
+  }
+  fs::remove_all(whole);
+  fs::remove_all(cut);
+}
+
 // One process stopped by an error after step 4, then `dhp train --resume`: it continues
 // from step-4 and the losses equal an uninterrupted run's; a damaged newest checkpoint is
 // reported and the previous one used.
@@ -223,6 +256,38 @@ TEST(Forward, WritesTheLogitsOfAnHfDirectory) {
   auto want = dhp::qwen::forward_logits(*m, input_ids, pixels, grid);
   EXPECT_EQ(got.sizes(), want.sizes());
   EXPECT_TRUE(torch::allclose(got, want, 1e-6, 1e-6));
+  // Under layouts (each rank reads its slices of the weights): the same logits within 1e-5,
+  // on an image of 4 attention windows (16x16 patches) so that sequence parallelism splits it.
+  std::vector<int64_t> big = {10, c.vision_start_token_id};
+  for (int i = 0; i < 64; ++i) big.push_back(c.image_token_id);
+  big.insert(big.end(), {c.vision_end_token_id, 12, 13});
+  auto big_ids = torch::tensor(big, torch::kInt64).view({1, -1});
+  auto big_pixels = torch::randn({256, c.vision.patch_dim()});
+  auto big_grid = torch::tensor({1, 16, 16}, torch::kInt64).view({1, 3});
+  dhp::io::write_safetensors((dir / "big.safetensors").string(),
+                             {{"input_ids", big_ids}, {"pixel_values", big_pixels}, {"image_grid_thw", big_grid}});
+  const auto big_want = dhp::qwen::forward_logits(*m, big_ids, big_pixels, big_grid);
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {2, "--set parallel.strategy=dhp"},
+      {2, "--set parallel.strategy=tp"},
+      {4, "--set parallel.strategy=dhp --set parallel.vision.ranks=[0,1] --set parallel.text.ranks=[2,3]"},
+      {3, "--set parallel.strategy=custom --set parallel.vision.strategy=zero3 --set parallel.vision.ranks=[2]"
+          " --set parallel.text.strategy=tp --set parallel.text.ranks=[0,1]"}};
+  for (const auto& [n, sets] : layouts) {
+    const auto o = dir / ("big" + std::to_string(n) + ".safetensors");
+    r = sh(std::string(DHP_BINARY) + " forward --nproc " + std::to_string(n) + " " + sets + " --model " +
+           (dir / "model").string() + " --inputs " + (dir / "big.safetensors").string() + " --out " + o.string());
+    ASSERT_EQ(r.rc, 0) << sets << "\n" << r.output;
+    auto g = dhp::io::SafetensorsReader(o.string()).read("logits");
+    ASSERT_EQ(g.sizes(), big_want.sizes()) << sets;
+    EXPECT_TRUE(torch::allclose(g, big_want, 1e-5, 1e-5)) << sets << ": max difference "
+                                                         << (g - big_want).abs().max().item<double>();
+  }
+  // Data-parallel replicas are refused with the keys to change.
+  r = sh(std::string(DHP_BINARY) + " forward --nproc 2 --set parallel.strategy=dp --model " + (dir / "model").string() +
+         " --inputs " + (dir / "big.safetensors").string() + " --out " + (dir / "dp.safetensors").string());
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.output.find("parallel.vision.dp=1"), std::string::npos) << r.output;
   // A wrong input file is named.
   dhp::io::write_safetensors((dir / "bad.safetensors").string(), {{"pixel_values", pixels}});
   r = sh(std::string(DHP_BINARY) + " forward --model " + (dir / "model").string() + " --inputs " +

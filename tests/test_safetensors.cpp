@@ -126,6 +126,43 @@ TEST(Safetensors, RoundTripsEveryDtypeBitExactly) {
   fs::remove_all(dir);
 }
 
+// read_box copies exactly the box, for every dtype width and rank (scalars included), and
+// refuses a box outside the tensor naming the file.
+TEST(Safetensors, ReadBoxEqualsNarrowingTheWholeTensor) {
+  auto dir = temp_dir("st_box");
+  std::vector<std::pair<std::string, torch::Tensor>> ts = {
+      {"a", torch::randn({5, 7, 3})},
+      {"b", torch::randn({9, 4}).to(torch::kBFloat16)},
+      {"c", torch::arange(11, torch::kInt64)},
+      {"s", torch::tensor(3.5)}};
+  const auto path = (dir / "box.safetensors").string();
+  dhp::io::write_safetensors(path, ts);
+  SafetensorsReader r(path);
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 200; ++trial) {
+    const auto& [name, t] = ts[trial % 3];
+    std::vector<int64_t> off, shape;
+    auto want = t;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t o = std::uniform_int_distribution<int64_t>(0, t.size(d))(rng);
+      const int64_t n = std::uniform_int_distribution<int64_t>(0, t.size(d) - o)(rng);
+      off.push_back(o);
+      shape.push_back(n);
+      want = want.narrow(d, o, n);
+    }
+    EXPECT_TRUE(torch::equal(r.read_box(name, off, shape), want)) << name << " trial " << trial;
+  }
+  EXPECT_TRUE(torch::equal(r.read_box("s", {}, {}), ts[3].second));
+  try {
+    r.read_box("a", {4, 0, 0}, {2, 7, 3});
+    ADD_FAILURE();
+  } catch (const dhp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("box.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("outside"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Safetensors, ByteLayoutByHand) {
   auto dir = temp_dir("st_layout");
   const auto path = (dir / "a.safetensors").string();

@@ -137,6 +137,22 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& all
   return a;
 }
 
+// The job's rank, world and store from a launcher's environment (one process without one).
+dhp::train::Runtime worker_runtime(const std::optional<dhp::launch::WorkerEnv>& env, double timeout_s) {
+  dhp::train::Runtime rt;
+  rt.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  if (env) {
+    rt.rank = env->rank;
+    rt.world = env->world;
+    rt.local_world = env->local_world;
+    if (rt.world > 1) {
+      rt.store = std::make_shared<dhp::dist::Store>(
+          dhp::dist::make_tcp_store(env->master_addr, env->master_port, rt.world, rt.rank == 0, rt.timeout));
+    }
+  }
+  return rt;
+}
+
 int cmd_train(int argc, char** argv, int first) {
   auto a = parse(argc, argv, first,
                  {"--config", "--set", "--out", "--nproc", "--print-schedule", "--resume", "--max-restarts"});
@@ -198,17 +214,7 @@ int cmd_train(int argc, char** argv, int first) {
     DHP_CHECK(a.nproc == 1 || a.nproc == env->world, "--nproc ", a.nproc, " but the ", env->launcher,
               " environment says WORLD_SIZE=", env->world);
   }
-  dhp::train::Runtime rt;
-  rt.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
-  if (env) {
-    rt.rank = env->rank;
-    rt.world = env->world;
-    rt.local_world = env->local_world;
-    if (rt.world > 1) {
-      rt.store = std::make_shared<dhp::dist::Store>(dhp::dist::make_tcp_store(
-          env->master_addr, env->master_port, rt.world, rt.rank == 0, rt.timeout));
-    }
-  }
+  const auto rt = worker_runtime(env, cfg.parallel.timeout_s);
   // The trainer (and its connections) outlives the handler, so a failing rank records its
   // error before the others see their connections close and fail in turn.
   std::unique_ptr<dhp::train::Trainer> trainer;
@@ -367,13 +373,20 @@ int cmd_params(int argc, char** argv, int first) {
 
 int cmd_forward(int argc, char** argv, int first) {
   const char* usage =
-      "usage: dhp forward --model DIR --inputs FILE.safetensors --out FILE.safetensors\n\n"
+      "usage: dhp forward --model DIR --inputs FILE.safetensors --out FILE.safetensors [--nproc N]\n"
+      "                   [--set parallel.KEY=VALUE]...\n\n"
       "Loads a Hugging Face Qwen2.5-VL directory (config.json + model.safetensors or a sharded index),\n"
       "reads one sample from the inputs file as Hugging Face's processor gives it (input_ids [1, L]\n"
       "int64; pixel_values [N, 1176] and image_grid_thw [I, 3] int64 when the sample has images) and\n"
       "writes the logits of every position, [1, L, vocab] fp32, under the name 'logits', computed by\n"
-      "the training model code on one process (fp32).\n";
+      "the training model code (fp32).\n\n"
+      "  --nproc N   run as N local worker processes under the layout parallel.* chooses (e.g.\n"
+      "              --set parallel.strategy=dhp: vision sequence-parallel, text tensor-parallel);\n"
+      "              each rank reads only its slices of the weights; each module must be one\n"
+      "              replica (dp = 1). Also runs as one rank of a torchrun/srun/mpirun job.\n";
   std::string model, inputs, out;
+  std::vector<std::string> sets;
+  int64_t nproc = 1;
   Flags flags(argc, argv, first);
   while (flags.next()) {
     const auto& f = flags.flag();
@@ -384,24 +397,61 @@ int cmd_forward(int argc, char** argv, int first) {
     if (f == "--model") model = flags.value();
     else if (f == "--inputs") inputs = flags.value();
     else if (f == "--out") out = flags.value();
+    else if (f == "--set") sets.push_back(flags.value());
+    else if (f == "--nproc") nproc = parse_int(f, flags.value());
     else DHP_FAIL("unknown option '", flags.raw(), "' (see dhp forward --help)");
   }
   DHP_CHECK(!model.empty() && !inputs.empty() && !out.empty(), "dhp forward needs --model, --inputs and --out\n\n",
             usage);
-  const auto cfg = dhp::qwen::read_hf_config(model);
-  dhp::qwen::Qwen2_5_VL m(cfg);
-  dhp::qwen::load_hf_weights(model, *m);
-  dhp::io::SafetensorsReader in(inputs);
-  auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
-  DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
-  torch::Tensor logits;
-  try {
-    logits = dhp::qwen::forward_logits(*m, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
-  } catch (const dhp::Error& e) {
-    DHP_FAIL(inputs, ": ", e.what());
+  DHP_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
+  const auto env = dhp::launch::worker_env();
+  if (!env && nproc == 1 && sets.empty()) {  // one process, the plain model
+    const auto cfg = dhp::qwen::read_hf_config(model);
+    dhp::qwen::Qwen2_5_VL m(cfg);
+    dhp::qwen::load_hf_weights(model, *m);
+    dhp::io::SafetensorsReader in(inputs);
+    auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
+    DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
+    torch::Tensor logits;
+    try {
+      logits = dhp::qwen::forward_logits(*m, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
+    } catch (const dhp::Error& e) {
+      DHP_FAIL(inputs, ": ", e.what());
+    }
+    dhp::io::write_safetensors(out, {{"logits", logits}});
+    dhp::log_info("wrote logits " + std::to_string(logits.size(1)) + " x " + std::to_string(logits.size(2)) + " to " +
+                  out);
+    return 0;
   }
-  dhp::io::write_safetensors(out, {{"logits", logits}});
-  dhp::log_info("wrote logits " + std::to_string(logits.size(1)) + " x " + std::to_string(logits.size(2)) + " to " + out);
+  sets.push_back("model.from=" + model);
+  const auto cfg = dhp::load_config("", sets);
+  const int64_t world = env ? env->world : nproc;
+  const auto layouts = dhp::train::resolve_layouts(cfg, world);  // refused before any worker starts
+  if (!env && nproc > 1) return dhp::launch::run_workers(nproc, std::vector<std::string>(argv, argv + argc));
+  auto rt = worker_runtime(env, cfg.parallel.timeout_s);
+  rt.optimizer = false;
+  try {
+    dhp::io::SafetensorsReader in(inputs);
+    auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
+    DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
+    dhp::qwen::Batch batch;
+    try {
+      batch = dhp::qwen::forward_batch(cfg.model.config, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
+    } catch (const dhp::Error& e) {
+      DHP_FAIL(inputs, ": ", e.what());
+    }
+    dhp::train::ParallelModel pm(cfg, layouts, rt);
+    const auto logits = pm.forward_logits(batch);
+    if (rt.rank == 0) {
+      dhp::io::write_safetensors(out, {{"logits", logits}});
+      dhp::log_info("wrote logits " + std::to_string(logits.size(1)) + " x " + std::to_string(logits.size(2)) +
+                    " to " + out + " (" + std::to_string(world) + " rank(s): " + dhp::train::describe(layouts) + ")");
+    }
+    pm.barrier();
+  } catch (const std::exception& e) {
+    dhp::launch::report_worker_error(e.what());
+    throw;
+  }
   return 0;
 }
 

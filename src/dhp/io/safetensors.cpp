@@ -230,6 +230,39 @@ torch::Tensor SafetensorsReader::read_rows(const std::string& name, int64_t star
   return out;
 }
 
+torch::Tensor SafetensorsReader::read_box(const std::string& name, const std::vector<int64_t>& offset,
+                                         const std::vector<int64_t>& shape) const {
+  const auto& t = info(name);
+  const auto nd = static_cast<int64_t>(t.shape.size());
+  DHP_CHECK(static_cast<int64_t>(offset.size()) == nd && static_cast<int64_t>(shape.size()) == nd, path_,
+            ": a box of rank ", shape.size(), " of tensor \"", name, "\" of rank ", nd);
+  for (int64_t d = 0; d < nd; ++d) {
+    DHP_CHECK(offset[d] >= 0 && shape[d] >= 0 && offset[d] + shape[d] <= t.shape[d], path_, ": box offset ",
+              c10::IntArrayRef(offset), " shape ", c10::IntArrayRef(shape), " is outside tensor \"", name,
+              "\" of shape ", c10::IntArrayRef(t.shape));
+  }
+  auto out = torch::empty(shape, torch::TensorOptions().dtype(t.dtype));
+  if (out.numel() == 0) return out;
+  const int64_t esize = out.element_size();
+  std::vector<int64_t> stride(nd, 1);  // elements, in the file's tensor
+  for (int64_t d = nd - 2; d >= 0; --d) stride[d] = stride[d + 1] * t.shape[d + 1];
+  const int64_t run = nd == 0 ? 1 : shape[nd - 1];  // innermost contiguous run
+  const int64_t runs = out.numel() / run;
+  const uint8_t* src = map_ + data_start_ + t.begin;
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  std::vector<int64_t> at(static_cast<size_t>(std::max<int64_t>(nd - 1, 0)), 0);  // index over the outer dims
+  for (int64_t r = 0; r < runs; ++r) {
+    int64_t e = nd == 0 ? 0 : offset[nd - 1];
+    for (int64_t d = 0; d + 1 < nd; ++d) e += (offset[d] + at[d]) * stride[d];
+    std::memcpy(dst + r * run * esize, src + e * esize, static_cast<size_t>(run * esize));
+    for (int64_t d = nd - 2; d >= 0; --d) {  // next outer index, row-major
+      if (++at[d] < shape[d]) break;
+      at[d] = 0;
+    }
+  }
+  return out;
+}
+
 std::pair<const uint8_t*, int64_t> SafetensorsReader::bytes(const std::string& name) const {
   const auto& t = info(name);
   return {map_ + data_start_ + t.begin, t.end - t.begin};

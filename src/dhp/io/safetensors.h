@@ -57,6 +57,10 @@ class SafetensorsReader {
   torch::Tensor read(const std::string& name) const;
   // Rows [start, start + count) along dim 0 (a copy).
   torch::Tensor read_rows(const std::string& name, int64_t start, int64_t count) const;
+  // The box [offset, offset + shape) of a tensor (a copy, contiguous): only its bytes are
+  // read (one copy per innermost run). Throws naming the file when the box is outside.
+  torch::Tensor read_box(const std::string& name, const std::vector<int64_t>& offset,
+                         const std::vector<int64_t>& shape) const;
   // The raw bytes of a tensor (for checksums and byte-exact comparisons).
   std::pair<const uint8_t*, int64_t> bytes(const std::string& name) const;
 

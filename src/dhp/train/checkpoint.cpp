@@ -7,6 +7,7 @@
 
 #include "dhp/core/error.h"
 #include "dhp/core/options.h"
+#include "dhp/models/qwen2_5_vl/hf.h"
 
 namespace dhp::train {
 namespace {
@@ -124,23 +125,46 @@ void add_pieces(io::SliceWriter& w, const std::vector<CheckpointPiece>& pieces) 
   }
 }
 
-void load_pieces(const io::CheckpointReader& r, const std::vector<CheckpointPiece>& pieces) {
+TensorSource checkpoint_source(const io::CheckpointReader& r) {
+  TensorSource s;
+  s.where = r.dir();
+  s.has = [&r](const std::string& n) { return r.has(n); };
+  s.shape = [&r](const std::string& n) { return r.manifest().tensors.at(n).shape; };
+  s.read = [&r](const std::string& n, const std::vector<int64_t>& o, const std::vector<int64_t>& sh) {
+    return r.read(n, o, sh);
+  };
+  return s;
+}
+
+TensorSource hf_source(const qwen::HfWeights& w) {
+  auto strip = [](const std::string& n) { return n.rfind("param/", 0) == 0 ? n.substr(6) : std::string(); };
+  TensorSource s;
+  s.where = "Hugging Face model directory " + w.dir();
+  s.has = [&w, strip](const std::string& n) { return !strip(n).empty() && w.contains(strip(n)); };
+  s.shape = [&w, strip](const std::string& n) { return w.shape(strip(n)); };
+  s.read = [&w, strip](const std::string& n, const std::vector<int64_t>& o, const std::vector<int64_t>& sh) {
+    return w.read_box(strip(n), o, sh);
+  };
+  return s;
+}
+
+void load_pieces(const TensorSource& src, const std::vector<CheckpointPiece>& pieces) {
   torch::NoGradGuard no_grad;
   for (const auto& p : pieces) {
     std::string name;
     for (const auto& n : candidates(p)) {
-      if (r.has(n)) {
+      if (src.has(n)) {
         name = n;
         break;
       }
     }
-    DHP_CHECK(!name.empty(), r.dir(), ": the checkpoint has no tensor ", p.name,
-              " (saved from another model, or a checkpoint without optimizer state?)");
-    const auto& have = r.manifest().tensors.at(name).shape;
-    DHP_CHECK(have == p.shape, r.dir(), ": tensor ", name, " has shape ", c10::IntArrayRef(have), ", this model's is ",
-              c10::IntArrayRef(p.shape), " (another model configuration?)");
+    DHP_CHECK(!name.empty(), src.where, ": no tensor for ", p.name,
+              " (saved from another model, or without optimizer state?)");
+    const auto have = src.shape(name);
+    DHP_CHECK(have == p.shape, src.where, ": tensor ", name, " has shape ", c10::IntArrayRef(have),
+              ", this model's is ", c10::IntArrayRef(p.shape), " (another model configuration?)");
     for (const auto& s : map_to_global(p.shape, p.tp, p.tp_rank, p.tp_size, p.begin, p.begin + p.data.numel())) {
-      segment_view(p, s).copy_(r.read(name, s.offset, s.shape));
+      segment_view(p, s).copy_(src.read(name, s.offset, s.shape));
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -21,6 +22,10 @@
 #include "dhp/io/checkpoint_store.h"
 #include "dhp/parallel/tensor_parallel.h"
 #include "dhp/train/config.h"
+
+namespace dhp::qwen {
+class HfWeights;
+}
 
 namespace dhp::train {
 
@@ -50,11 +55,25 @@ std::vector<BoxSegment> map_to_global(const std::vector<int64_t>& shape, const p
 
 // Adds the pieces this rank writes to `w`.
 void add_pieces(io::SliceWriter& w, const std::vector<CheckpointPiece>& pieces);
-// Fills every piece (written or not) from the checkpoint, converting dtypes. param/ of
-// fp32 pieces prefers master/ (so a bf16 run's checkpoint continues in fp32 from its
-// masters); master/ falls back to param/ (a checkpoint of an fp32 run). Throws naming the
-// checkpoint and tensor when one is missing or has another shape.
-void load_pieces(const io::CheckpointReader& r, const std::vector<CheckpointPiece>& pieces);
+
+// Where load_pieces reads global tensors from, box by box.
+struct TensorSource {
+  std::string where;  // names the source in errors
+  std::function<bool(const std::string&)> has;
+  std::function<std::vector<int64_t>(const std::string&)> shape;
+  std::function<torch::Tensor(const std::string&, const std::vector<int64_t>& offset, const std::vector<int64_t>& shape)>
+      read;
+};
+TensorSource checkpoint_source(const io::CheckpointReader& r);
+// A Hugging Face model directory: param/<name> is its tensor <name> (either prefix
+// convention); it has nothing else (so masters come from the parameters).
+TensorSource hf_source(const qwen::HfWeights& w);
+
+// Fills every piece (written or not) from `src`, converting dtypes. param/ of fp32 pieces
+// prefers master/ (so a bf16 run's checkpoint continues in fp32 from its masters);
+// master/ falls back to param/ (a checkpoint of an fp32 run, or an HF directory). Throws
+// naming the source and tensor when one is missing or has another shape.
+void load_pieces(const TensorSource& src, const std::vector<CheckpointPiece>& pieces);
 
 // The resolved config a checkpoint was trained with (its meta), and every parameter in
 // full by single-process name: param/ tensors, or master/ ones where `masters` and the

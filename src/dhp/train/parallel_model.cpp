@@ -7,12 +7,14 @@
 #include <cstring>
 
 #include "dhp/core/error.h"
+#include "dhp/core/log.h"
 #include "dhp/core/memory.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/parallel/data_parallel.h"
 #include "dhp/parallel/mappings.h"
 #include "dhp/parallel/parallelize.h"
 #include "dhp/parallel/redistribute.h"
+#include "dhp/parallel/tensor_parallel.h"
 #include "dhp/parallel/vision_sp.h"
 #include "dhp/parallel/zero.h"
 #include "dhp/parallel/zero3.h"
@@ -75,10 +77,10 @@ std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model) {
   return out;
 }
 
-qwen::Qwen2_5_VL build_model(const Config& cfg) {
+qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
   qwen::Qwen2_5_VL m(cfg.model.config);
   qwen::init_parameters(*m, static_cast<uint64_t>(cfg.training.seed), cfg.model.config.initializer_range);
-  if (!cfg.model.from.empty()) qwen::load_hf_weights(cfg.model.from, *m);
+  if (load_from && !cfg.model.from.empty()) qwen::load_hf_weights(cfg.model.from, *m);
   if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
   m->set_activation_checkpointing(cfg.training.activation_checkpointing);
   set_attention_block(*m, cfg.training.attention_block);
@@ -181,7 +183,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     : cfg_(cfg), layouts_(layouts), rt_(rt) {
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
   if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", dist::iota_ranks(rt_.world), rt_.rank, rt_.timeout);
-  model_ = build_model(cfg_);
+  model_ = build_model(cfg_, /*load_from=*/false);  // model.from: each rank reads its slices below
   for (auto& kv : model_->named_parameters(true)) full_shapes_[kv.key()] = kv.value().sizes().vec();
   dtype_ = model_->parameters().front().scalar_type();
   auto make = [&](const dist::ModuleLayout& l) {
@@ -230,6 +232,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
         mod->in_norm.push_back(mod->pg.data.rank() == 0 && once_over_tp.back());
       }
     }
+    if (!rt_.optimizer) continue;
     // Elements of a ZeRO-1 slice are unique over the data group, so the slicing replaces
     // in_norm's data-rank condition.
     if (mod->layout.zero == 1) {
@@ -238,6 +241,17 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
       mod->adam = std::make_unique<AdamW>(mod->params, o);
     }
   }
+  if (!cfg_.model.from.empty()) load_from(cfg_.model.from);
+}
+
+void ParallelModel::load_from(const std::string& dir) {
+  qwen::HfWeights w(dir);
+  std::vector<CheckpointPiece> weights;  // parameters and masters: the moments stay zero
+  for (auto& p : checkpoint_pieces()) {
+    if (p.name.rfind("param/", 0) == 0 || p.name.rfind("master/", 0) == 0) weights.push_back(std::move(p));
+  }
+  load_pieces(hf_source(w), weights);
+  if (rt_.rank == 0) qwen::unused_hf_tensors(w, [&](const std::string& n) { return full_shapes_.count(n) > 0; });
 }
 
 bool ParallelModel::hosts_vision() const { return vision_->member; }
@@ -412,6 +426,44 @@ double ParallelModel::finish_step(double lr, double max_norm) {
   return norm;
 }
 
+torch::Tensor ParallelModel::forward_logits(const qwen::Batch& b) {
+  torch::NoGradGuard no_grad;
+  DHP_CHECK(layouts_.vision.dp == 1 && layouts_.text.dp == 1, "a forward of one sample runs each module as one ",
+            "replica, but the layout (", describe(layouts_), ") has data-parallel replicas; set parallel.vision.dp=1 ",
+            "and parallel.text.dp=1 (the strategy's own degree takes the ranks)");
+  const auto& mc = cfg_.model.config;
+  const int64_t hidden = mc.text.hidden_size;
+  const auto options = torch::TensorOptions().dtype(dtype_);
+  const int64_t rows = b.input_ids.eq(mc.image_token_id).sum().item<int64_t>();
+  const auto plan = parallel::plan_redistribute(layouts_.vision, layouts_.text, {rows});
+  torch::Tensor vis;
+  if (vision_->member) {
+    vis = model_->encode_images(b);
+    if (!vis.defined()) vis = torch::zeros({0, hidden}, options);
+    parallel::send_pieces(plan.forward, vis, job_, rt_.rank, /*tag=*/0);
+  }
+  torch::Tensor logits;
+  if (text_->member) {
+    auto in = parallel::recv_pieces(plan.forward, vis, plan.text_rows.at(rt_.rank), hidden, options, job_, rt_.rank, 0);
+    auto h = model_->hidden_at_targets(b, in).first;
+    auto head = [this](const torch::Tensor& x) {
+      return torch::matmul(x, model_->lm_head_weight().t()).to(torch::kFloat32);
+    };
+    logits = text_->zero3 ? text_->zero3->run(model_->lm_head ? "lm_head" : "model.embed_tokens", head, h) : head(h);
+    logits = parallel::unshard(logits.contiguous(), parallel::TpShard{1, 1}, text_->pg.tp);  // vocabulary shards
+  }
+  // Rank 0 gets them from the text module's first rank when it is not a text rank.
+  const int64_t owner = text_->layout.ranks.front();
+  if (!text_->member && rt_.rank == 0) {
+    logits = torch::empty({b.input_ids.size(0), mc.text.vocab_size}, torch::kFloat32);
+    job_.recv(logits, owner, /*tag=*/1);
+  } else if (rt_.rank == owner && owner != 0) {
+    if (text_->layout.module_rank(0) < 0) job_.send(logits, 0, /*tag=*/1);
+  }
+  job_.wait_sends();
+  return rt_.rank == 0 ? logits.unsqueeze(0) : torch::Tensor();
+}
+
 std::map<std::string, torch::Tensor> ParallelModel::full_parameters() {
   torch::NoGradGuard no_grad;
   std::map<std::string, torch::Tensor> out;
@@ -525,14 +577,16 @@ std::vector<CheckpointPiece> ParallelModel::checkpoint_pieces() {
         // The shard holds elements [rank * chunk, +chunk) of the flattened parameter, padded.
         const int64_t chunk = p.param.numel(), total = c10::multiply_integers(shape);
         const int64_t lo = std::min(total, m->pg.dp.rank() * chunk), n = std::min(total, lo + chunk) - lo;
-        const auto& st = m->adam->state()[i];
         add("param", p.param.detach().narrow(0, 0, n), lo, true);
+        if (!m->adam) continue;
+        const auto& st = m->adam->state()[i];
         if (!fp32) add("master", st.master.narrow(0, 0, n), lo, true);
         add("exp_avg", st.exp_avg.narrow(0, 0, n), lo, true);
         add("exp_avg_sq", st.exp_avg_sq.narrow(0, 0, n), lo, true);
         continue;
       }
       add("param", p.param.detach().view({-1}), 0, data_first && tp_unique);
+      if (!m->adam && !m->zero1) continue;  // forward only
       if (m->zero1) {
         const auto& z = *m->zero1;
         const int64_t numel = p.param.numel(), lo = z.slice_begin(), hi = lo + z.state_numel();
@@ -556,7 +610,7 @@ std::vector<CheckpointPiece> ParallelModel::checkpoint_pieces() {
 
 void ParallelModel::set_optimizer_steps(int64_t n) {
   for (Module* m : {vision_.get(), text_.get()}) {
-    if (!m->member) continue;
+    if (!m->member || !rt_.optimizer) continue;
     if (m->zero1) m->zero1->set_step_count(n);
     else m->adam->set_step_count(n);
   }

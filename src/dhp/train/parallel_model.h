@@ -54,10 +54,12 @@ struct Runtime {
   int64_t local_world = 0;             // ranks on this machine (0: all of them)
   std::shared_ptr<dist::Store> store;  // required when world > 1
   std::chrono::milliseconds timeout{300000};
+  bool optimizer = true;               // false: forward only (no optimizer state is allocated)
 };
 
-// Builds the model for a config: presets, init from the seed, precision, checkpointing.
-qwen::Qwen2_5_VL build_model(const Config& cfg);
+// Builds the model for a config: presets, init from the seed, model.from's weights (unless
+// `load_from` is false), precision, checkpointing.
+qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from = true);
 std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model);
 
 class ParallelModel {
@@ -75,6 +77,11 @@ class ParallelModel {
   // losses scaled by 1/`global_targets`. Collective over the job. Takes the samples so that
   // their pixel values are freed as soon as they are packed for the vision tower.
   StepResult forward_backward(std::vector<std::vector<data::Sample>> micro_batches, double global_targets);
+  // Logits (1, L, vocab) fp32 of every position of a one-sample batch, on rank 0 (undefined
+  // elsewhere), computed under the layout: the vision module encodes, the embeddings move
+  // to the text ranks, the decoder runs and (TP) the vocabulary shards are gathered.
+  // Collective. Each module must be one replica (dp = 1).
+  torch::Tensor forward_logits(const qwen::Batch& batch);
   // Does this rank's vision replica encode sample i of a micro-batch of n (needs its pixels)?
   bool encodes(int64_t i, int64_t n) const;
   // Gradient sums, global-norm clipping (max_norm 0 = off), optimizer steps. Returns the
@@ -119,6 +126,8 @@ class ParallelModel {
   void run_action(const Action& a, std::vector<std::vector<data::Sample>>& micro, double global_targets,
                   std::vector<MicroBatchState>& state, StepResult& result);
   void release_parameters(bool vision);  // frees the parameters of a module this rank does not host
+  // model.from: this rank's slices of every parameter (and master) from an HF directory.
+  void load_from(const std::string& dir);
 
   Config cfg_;
   Layouts layouts_;

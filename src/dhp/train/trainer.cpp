@@ -94,6 +94,11 @@ Trainer::Trainer(const Config& cfg, const Runtime& rt)
     DHP_CHECK(std::sscanf(f, "%lld:%lld", &r, &s) == 2, "DHP_TEST_KILL_AT='", f, "' must be RANK:STEP");
     if (r == rt_.rank) kill_at_step_ = s;
   }
+  // Test hook: DHP_TEST_KILL_IN_SAVE=STEP makes rank 0 SIGKILL itself while saving that
+  // step's checkpoint, after the rank files are written and before the commit.
+  if (const char* f = std::getenv("DHP_TEST_KILL_IN_SAVE"); f && *f && (!restart || std::string(restart) == "0")) {
+    kill_in_save_ = std::atoll(f);
+  }
   resume();
 }
 
@@ -139,6 +144,7 @@ std::string Trainer::save_checkpoint() {
     record = "!rank " + std::to_string(rt_.rank) + ": " + e.what();
   }
   const auto records = parallel_->all_gather_strings(record);
+  if (is_main() && step_ == kill_in_save_) ::raise(SIGKILL);
   bytes = static_cast<int64_t>(parallel_->sum_over_job(static_cast<double>(bytes)));
   if (is_main()) {
     std::vector<std::string> ok;
@@ -178,7 +184,7 @@ std::string Trainer::save_checkpoint() {
 
 void Trainer::load_checkpoint(const std::string& dir) {
   io::CheckpointReader r(dir);
-  load_pieces(r, parallel_->checkpoint_pieces());
+  load_pieces(checkpoint_source(r), parallel_->checkpoint_pieces());
   const auto& meta = r.manifest().meta;
   const std::string what = dir + "/manifest.json meta";
   step_ = r.manifest().step;

@@ -88,6 +88,7 @@ class Trainer {
   int64_t base_step_ = 0, sample_base_ = 0;
   int64_t fail_at_step_ = -1;  // DHP_TEST_FAIL_AT test hook
   int64_t kill_at_step_ = -1;  // DHP_TEST_KILL_AT test hook
+  int64_t kill_in_save_ = -1;  // DHP_TEST_KILL_IN_SAVE test hook
 };
 
 }  // namespace dhp::train

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 
 #include "dhp/core/error.h"
 #include "dhp/core/log.h"
@@ -250,9 +251,14 @@ torch::Tensor HfWeights::read_rows(const std::string& name, int64_t start, int64
   return reader(e.file).read_rows(e.hf_name, start, count);
 }
 
+torch::Tensor HfWeights::read_box(const std::string& name, const std::vector<int64_t>& offset,
+                                 const std::vector<int64_t>& shape) const {
+  const auto& e = entry(name);
+  return reader(e.file).read_box(e.hf_name, offset, shape);
+}
+
 std::vector<std::string> load_hf_weights(const HfWeights& w, std::map<std::string, torch::Tensor>& params) {
   torch::NoGradGuard no_grad;
-  const bool tied = params.count("lm_head.weight") == 0;
   for (auto& [name, p] : params) {
     DHP_CHECK(w.contains(name), "the model directory has no tensor for parameter ", name);
     const auto shape = w.shape(name);
@@ -260,9 +266,18 @@ std::vector<std::string> load_hf_weights(const HfWeights& w, std::map<std::strin
               " but the model (from config.json) needs ", p.sizes());
     p.copy_(w.read(name));
   }
+  return unused_hf_tensors(w, [&](const std::string& n) { return params.count(n) > 0; });
+}
+
+std::vector<std::string> unused_hf_tensors(const HfWeights& w, const std::function<bool(const std::string&)>& has) {
+  const bool tied = !has("lm_head.weight");
   std::vector<std::string> unused;
   for (const auto& n : w.names()) {
-    if (params.count(n) == 0 && !(tied && n == "lm_head.weight")) unused.push_back(n);
+    if (!has(n) && !(tied && n == "lm_head.weight")) unused.push_back(n);
+  }
+  if (!unused.empty()) {
+    log_warn(w.dir() + ": " + std::to_string(unused.size()) + " tensor(s) the model does not use, ignored (first: " +
+             unused.front() + ")");
   }
   return unused;
 }
@@ -270,11 +285,7 @@ std::vector<std::string> load_hf_weights(const HfWeights& w, std::map<std::strin
 void load_hf_weights(const std::string& dir, Qwen2_5_VLImpl& model) {
   std::map<std::string, torch::Tensor> params;
   for (auto& kv : model.named_parameters(true)) params[kv.key()] = kv.value();
-  const auto unused = load_hf_weights(HfWeights(dir), params);
-  if (!unused.empty()) {
-    log_warn(dir + ": " + std::to_string(unused.size()) + " tensor(s) the model does not use, ignored (first: " +
-             unused.front() + ")");
-  }
+  load_hf_weights(HfWeights(dir), params);
 }
 
 void save_hf(const std::string& dir, const std::map<std::string, torch::Tensor>& params, const ModelConfig& c,
@@ -320,10 +331,8 @@ void save_hf(const std::string& dir, const std::map<std::string, torch::Tensor>&
   fs::remove(fs::path(dir) / "model.safetensors");
 }
 
-torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
-                             const torch::Tensor& image_grid_thw) {
-  torch::NoGradGuard no_grad;
-  const auto& c = model.cfg;
+Batch forward_batch(const ModelConfig& c, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
+                    const torch::Tensor& image_grid_thw) {
   DHP_CHECK(input_ids.defined() && input_ids.dim() == 2 && input_ids.size(0) == 1 && input_ids.size(1) > 0,
             "input_ids must be (1, L) with L > 0 (one sample), got ", input_ids.defined() ? input_ids.sizes() : c10::IntArrayRef{});
   Batch b;
@@ -358,7 +367,13 @@ torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const torch::Tensor& input_i
   b.position_ids = rope_index(ids, b.grid_thw, c);
   b.targets = torch::zeros({L}, torch::kInt64);  // every position "has a target": logits for all
   b.cu_seqlens = {0, L};
-  return model.target_logits(b).unsqueeze(0);
+  return b;
+}
+
+torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
+                             const torch::Tensor& image_grid_thw) {
+  torch::NoGradGuard no_grad;
+  return model.target_logits(forward_batch(model.cfg, input_ids, pixel_values, image_grid_thw)).unsqueeze(0);
 }
 
 }  // namespace dhp::qwen

@@ -15,6 +15,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -22,6 +23,7 @@
 
 #include "dhp/io/json.h"
 #include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/models/qwen2_5_vl/model.h"
 
 namespace dhp::io {
 class SafetensorsReader;
@@ -54,6 +56,10 @@ class HfWeights {
   torch::Tensor read(const std::string& name) const;
   // Rows [start, start + count) along dim 0.
   torch::Tensor read_rows(const std::string& name, int64_t start, int64_t count) const;
+  // The box [offset, offset + shape) (reads only its bytes).
+  torch::Tensor read_box(const std::string& name, const std::vector<int64_t>& offset,
+                         const std::vector<int64_t>& shape) const;
+  const std::string& dir() const { return dir_; }
   // The file holding a tensor (for messages).
   std::string file_of(const std::string& name) const;
 
@@ -73,6 +79,10 @@ class HfWeights {
 // parameter, the file and both shapes; tensors in the directory that the model does not
 // have are returned (the caller logs them). A tied model ignores lm_head.weight.
 std::vector<std::string> load_hf_weights(const HfWeights& w, std::map<std::string, torch::Tensor>& params);
+// The directory's tensors for which `has` (a model parameter name) is false, ignoring
+// lm_head.weight for a tied model (no such parameter); logs a warning naming the count and
+// the first when there are any.
+std::vector<std::string> unused_hf_tensors(const HfWeights& w, const std::function<bool(const std::string&)>& has);
 // Loads every parameter of `model` from the directory `dir` as above and logs a warning
 // naming the tensors of the directory the model does not use.
 void load_hf_weights(const std::string& dir, Qwen2_5_VLImpl& model);
@@ -87,6 +97,9 @@ void save_hf(const std::string& dir, const std::map<std::string, torch::Tensor>&
 // processor gives it: input_ids (1, L) int64, pixel_values (N, patch_dim) and
 // image_grid_thw (I, 3) int64 (both may be undefined or empty for a text-only sample).
 // Checks the shapes and that the <|image_pad|> count matches the grids, naming the inputs.
+// The one-sample batch of those inputs, checked as above, with a target at every position.
+Batch forward_batch(const ModelConfig& c, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
+                    const torch::Tensor& image_grid_thw);
 torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
                              const torch::Tensor& image_grid_thw);
 
