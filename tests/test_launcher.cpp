@@ -343,4 +343,31 @@ TEST(Convert, ACheckpointExportsLikeTheRunsOwnExport) {
   fs::remove_all(run);
 }
 
+// `dhp tokenize`: ids of --text and of each line of --file, --decode back, errors named.
+TEST(Tokenize, PrintsIdsAndDecodes) {
+  const std::string bin = std::string(DHP_BINARY) + " tokenize --tokenizer " + DHP_QWEN_TOKENIZER;
+  auto r = sh(bin + " --text \"Hello world<|im_end|>\"");
+  ASSERT_EQ(r.rc, 0) << r.output;
+  EXPECT_EQ(r.output, "[9707, 1879, 151645]\n");
+  const auto dir = tmpdir("tokenize");
+  fs::create_directories(dir);
+  {
+    std::ofstream f(dir / "in.txt");
+    f << "Hello world\n\n<|vision_start|><|image_pad|><|vision_end|>\n";
+  }
+  r = sh(bin + " --file " + (dir / "in.txt").string());
+  ASSERT_EQ(r.rc, 0) << r.output;
+  EXPECT_EQ(r.output, "[9707, 1879]\n[]\n[151652, 151655, 151653]\n");
+  r = sh(bin + " --decode --text \"[9707, 1879, 151645]\"");
+  ASSERT_EQ(r.rc, 0) << r.output;
+  EXPECT_EQ(r.output, "Hello world<|im_end|>\n");
+  r = sh(bin + " --decode --text \"[9707, 99999999]\"");
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.output.find("token id 99999999 is outside the vocabulary"), std::string::npos) << r.output;
+  r = sh(bin);
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.output.find("exactly one of --text and --file"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
 }  // namespace

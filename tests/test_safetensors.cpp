@@ -77,6 +77,11 @@ TEST(Json, RefusesMalformedInputWithTheOffset) {
       EXPECT_NE(std::string(e.what()).find("case: invalid JSON at byte"), std::string::npos) << e.what();
     }
   }
+  // A duplicate key far into a large object (the hash-set path) is refused too.
+  std::string big = "{";
+  for (int i = 0; i < 100; ++i) big += "\"k" + std::to_string(i) + "\": " + std::to_string(i) + ", ";
+  EXPECT_EQ(Json::parse(big + "\"last\": 1}", "big").items().size(), 101u);
+  EXPECT_THROW(Json::parse(big + "\"k7\": 1}", "big"), dhp::Error);
   // Hostile nesting is an error, not a stack overflow.
   EXPECT_THROW(Json::parse(std::string(100000, '['), "deep"), dhp::Error);
   auto j = Json::parse("{\"x\": \"s\"}", "t");

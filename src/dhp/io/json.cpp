@@ -5,8 +5,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <string>
+#include <unordered_set>
 
 #include "dhp/core/error.h"
+#include "dhp/core/utf8.h"
 
 namespace dhp::io {
 
@@ -42,24 +45,6 @@ const char* type_name(Json::Type t) {
 }
 
 constexpr int kMaxDepth = 512;
-
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
 
 }  // namespace
 
@@ -112,6 +97,7 @@ class JsonParser {
   Json object(int depth) {
     expect('{');
     Json o = Json::object();
+    std::unordered_set<std::string> seen;
     skip_ws();
     if (peek() == '}' && !at_end()) {
       ++pos_;
@@ -125,8 +111,16 @@ class JsonParser {
       expect(':');
       skip_ws();
       Json v = value(depth + 1);
-      for (const auto& kv : o.obj_) {
-        if (kv.first == key) fail("duplicate key \"" + key + "\"");
+      // Duplicate keys: a scan while the object is small, a hash set once it is not (a
+      // tokenizer.json vocabulary has 150k keys).
+      if (o.obj_.size() < 32) {
+        for (const auto& kv : o.obj_) {
+          if (kv.first == key) fail("duplicate key \"" + key + "\"");
+        }
+      } else {
+        if (seen.empty())
+          for (const auto& kv : o.obj_) seen.insert(kv.first);
+        if (!seen.insert(key).second) fail("duplicate key \"" + key + "\"");
       }
       o.obj_.emplace_back(std::move(key), std::move(v));
       skip_ws();
@@ -176,24 +170,11 @@ class JsonParser {
 
   // One UTF-8 sequence starting at pos_, validated (no overlong forms, no surrogates).
   void utf8(std::string& out) {
-    const auto b0 = static_cast<unsigned char>(s_[pos_]);
-    int n = 0;
-    uint32_t cp = 0;
-    if (b0 >= 0xC2 && b0 <= 0xDF) { n = 1; cp = b0 & 0x1F; }
-    else if (b0 >= 0xE0 && b0 <= 0xEF) { n = 2; cp = b0 & 0x0F; }
-    else if (b0 >= 0xF0 && b0 <= 0xF4) { n = 3; cp = b0 & 0x07; }
-    else fail("invalid UTF-8 byte");
-    if (s_.size() - pos_ < static_cast<size_t>(n) + 1) fail("truncated UTF-8 sequence");
-    for (int i = 1; i <= n; ++i) {
-      const auto b = static_cast<unsigned char>(s_[pos_ + static_cast<size_t>(i)]);
-      if ((b & 0xC0) != 0x80) fail("invalid UTF-8 continuation byte");
-      cp = (cp << 6) | (b & 0x3F);
-    }
-    if ((n == 2 && cp < 0x800) || (n == 3 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp <= 0xDFFF)) {
-      fail("invalid UTF-8 sequence");
-    }
-    out.append(s_.substr(pos_, static_cast<size_t>(n) + 1));
-    pos_ += static_cast<size_t>(n) + 1;
+    char32_t cp = 0;
+    const int n = utf8_decode(s_, pos_, cp);
+    if (n < 2) fail("invalid UTF-8 sequence");
+    out.append(s_.substr(pos_, static_cast<size_t>(n)));
+    pos_ += static_cast<size_t>(n);
   }
 
   std::string string() {
