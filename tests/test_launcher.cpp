@@ -370,4 +370,22 @@ TEST(Tokenize, PrintsIdsAndDecodes) {
   fs::remove_all(dir);
 }
 
+// `dhp data preprocess` writes what Pillow + numpy give for the processor's steps.
+TEST(DataPreprocess, WritesTheProcessorsTensors) {
+  const auto dir = tmpdir("preprocess");
+  fs::create_directories(dir);
+  const std::string images = std::string(DHP_TEST_DATA) + "/images/";
+  auto r = sh(std::string(DHP_BINARY) + " data preprocess --image " + images + "big_down.png --max-pixels 15680 --out " +
+              (dir / "p.safetensors").string());
+  ASSERT_EQ(r.rc, 0) << r.output;
+  dhp::io::SafetensorsReader got((dir / "p.safetensors").string()), want(images + "expected.safetensors");
+  EXPECT_TRUE(torch::equal(got.read("pixel_values"), want.read("big_down.png.pixel_values")));
+  EXPECT_TRUE(torch::equal(got.read("image_grid_thw").view({-1}), want.read("big_down.png.grid")));
+  r = sh(std::string(DHP_BINARY) + " data preprocess --image " + images + "nothing.png --out " +
+         (dir / "q.safetensors").string());
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.output.find("nothing.png: cannot open the image"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "dhp/core/log.h"
 #include "dhp/core/memory.h"
+#include "dhp/data/image.h"
 #include "dhp/data/tokenizer.h"
 #include "dhp/io/json.h"
 #include "dhp/train/config.h"
@@ -40,6 +41,7 @@ commands:
   forward   logits of a Hugging Face model directory for one sample (safetensors in and out)
   convert   export a training checkpoint (any layout) as a Hugging Face model directory
   tokenize  token ids of text with a Hugging Face tokenizer.json (Qwen's), or --decode them
+  data      'dhp data preprocess': one image as Qwen2-VL's processor makes it (safetensors out)
   help      this text; 'dhp <command> --help' for a command's options
 
 With no command, 'dhp' runs 'dhp train'.
@@ -558,6 +560,46 @@ int cmd_tokenize(int argc, char** argv, int first) {
   return 0;
 }
 
+int cmd_data(int argc, char** argv, int first) {
+  const char* usage =
+      "usage: dhp data preprocess --image PATH [--min-pixels A] [--max-pixels B] --out F.safetensors\n\n"
+      "Preprocesses one image (JPEG or PNG) exactly as Qwen2-VL's Hugging Face processor does\n"
+      "(EXIF orientation, transparency over white, smart_resize to multiples of 28 within\n"
+      "[A, B] pixels, Pillow's bicubic resize, rescale, normalise, 2 frames, merge-window patch\n"
+      "order) and writes pixel_values [N, 1176] fp32 and image_grid_thw [1, 3] int64, to compare\n"
+      "with the processor tensor by tensor. Defaults: Qwen2.5-VL's min 3136, max 12845056.\n";
+  if (first >= argc || std::string(argv[first]) == "-h" || std::string(argv[first]) == "--help") {
+    std::printf("%s", usage);
+    return first >= argc ? 2 : 0;
+  }
+  DHP_CHECK(std::string(argv[first]) == "preprocess", "unknown 'dhp data' command '", argv[first], "'\n\n", usage);
+  std::string image, out;
+  dhp::data::ImageOptions o;
+  Flags flags(argc, argv, first + 1);
+  while (flags.next()) {
+    const auto& f = flags.flag();
+    if (f == "-h" || f == "--help") {
+      std::printf("%s", usage);
+      return 0;
+    }
+    if (f == "--image") image = flags.value();
+    else if (f == "--out") out = flags.value();
+    else if (f == "--min-pixels") o.min_pixels = parse_int(f, flags.value());
+    else if (f == "--max-pixels") o.max_pixels = parse_int(f, flags.value());
+    else DHP_FAIL("unknown option '", flags.raw(), "' (see dhp data --help)");
+  }
+  DHP_CHECK(!image.empty() && !out.empty(), "dhp data preprocess needs --image and --out\n\n", usage);
+  DHP_CHECK(o.min_pixels > 0 && o.max_pixels >= o.min_pixels, "--min-pixels ", o.min_pixels, " and --max-pixels ",
+            o.max_pixels, " must satisfy 0 < min <= max");
+  const auto p = dhp::data::preprocess(dhp::data::load_image(image), o);
+  auto grid = torch::tensor({p.grid[0], p.grid[1], p.grid[2]}, torch::kInt64).view({1, 3});
+  dhp::io::write_safetensors(out, {{"pixel_values", p.pixel_values}, {"image_grid_thw", grid}});
+  dhp::log_info(image + ": resized to " + std::to_string(p.resized.width) + "x" + std::to_string(p.resized.height) +
+                " px (width x height), image_grid_thw [" + std::to_string(p.grid[0]) + ", " + std::to_string(p.grid[1]) +
+                ", " + std::to_string(p.grid[2]) + "] -> " + out);
+  return 0;
+}
+
 int cmd_config(int argc, char** argv, int first) {
   auto a = parse(argc, argv, first, {"--config", "--set"});
   if (a.help) {
@@ -587,7 +629,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     const std::map<std::string, std::function<int(int, char**, int)>> cmds = {
-        {"train", cmd_train}, {"convert", cmd_convert}, {"tokenize", cmd_tokenize}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench},
+        {"train", cmd_train}, {"convert", cmd_convert}, {"tokenize", cmd_tokenize}, {"data", cmd_data}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench},
         {"forward", cmd_forward}};
     auto it = cmds.find(cmd);
     if (it == cmds.end()) {
