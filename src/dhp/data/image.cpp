@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "dhp/core/error.h"
+#include "dhp/data/shapes.h"
 
 namespace dhp::data {
 namespace {
@@ -321,14 +322,14 @@ Patches preprocess(const Image& image, const ImageOptions& o) {
     }
   }
   // A still image is repeated to the temporal patch size; patches in merge-window order.
-  const int64_t T = o.temporal_patch_size, P = o.patch_size, M = o.merge_size;
-  const int64_t gh = h / P, gw = w / P;
-  auto frames = px.unsqueeze(0).expand({T, 3, h, w});
-  out.pixel_values = frames.reshape({1, T, 3, gh / M, M, P, gw / M, M, P})
-                         .permute({0, 3, 6, 4, 7, 2, 1, 5, 8})
-                         .reshape({gh * gw, 3 * T * P * P})
-                         .contiguous();
-  out.grid = {1, gh, gw};
+  qwen::VisionConfig vc;
+  vc.patch_size = o.patch_size;
+  vc.spatial_merge_size = o.merge_size;
+  vc.temporal_patch_size = o.temporal_patch_size;
+  vc.in_channels = 3;
+  qwen::GridTHW grid{};
+  out.pixel_values = patchify(px, vc, grid);
+  out.grid = {grid[0], grid[1], grid[2]};
   return out;
 }
 

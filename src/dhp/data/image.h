@@ -43,8 +43,8 @@ struct ImageOptions {
   int64_t patch_size = 14;
   int64_t merge_size = 2;
   int64_t temporal_patch_size = 2;
-  std::array<float, 3> mean = {0.48145466f, 0.4578275f, 0.40821073f};
-  std::array<float, 3> std = {0.26862954f, 0.26130258f, 0.27577711f};
+  std::array<float, 3> mean = {0.48145466f, 0.4578275f, 0.40821073f};  // shapes.h kImageMean
+  std::array<float, 3> std = {0.26862954f, 0.26130258f, 0.27577711f};   // shapes.h kImageStd
 };
 
 struct Patches {
