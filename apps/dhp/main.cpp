@@ -15,6 +15,7 @@
 #include "dhp/core/log.h"
 #include "dhp/core/memory.h"
 #include "dhp/data/image.h"
+#include "dhp/data/loader.h"
 #include "dhp/data/tokenizer.h"
 #include "dhp/io/json.h"
 #include "dhp/train/config.h"
@@ -41,7 +42,8 @@ commands:
   forward   logits of a Hugging Face model directory for one sample (safetensors in and out)
   convert   export a training checkpoint (any layout) as a Hugging Face model directory
   tokenize  token ids of text with a Hugging Face tokenizer.json (Qwen's), or --decode them
-  data      'dhp data preprocess': one image as Qwen2-VL's processor makes it (safetensors out)
+  data      'dhp data preprocess': one image as Qwen2-VL's processor makes it (safetensors out);
+            'dhp data synth': the shapes task written as a LLaVA dataset (JSONL + PNG)
   help      this text; 'dhp <command> --help' for a command's options
 
 With no command, 'dhp' runs 'dhp train'.
@@ -562,15 +564,44 @@ int cmd_tokenize(int argc, char** argv, int first) {
 
 int cmd_data(int argc, char** argv, int first) {
   const char* usage =
-      "usage: dhp data preprocess --image PATH [--min-pixels A] [--max-pixels B] --out F.safetensors\n\n"
+      "usage: dhp data preprocess --image PATH [--min-pixels A] [--max-pixels B] --out F.safetensors\n"
+      "       dhp data synth --out DIR --num N [--seed S] [--min-side A] [--max-side B]\n\n"
       "Preprocesses one image (JPEG or PNG) exactly as Qwen2-VL's Hugging Face processor does\n"
       "(EXIF orientation, transparency over white, smart_resize to multiples of 28 within\n"
       "[A, B] pixels, Pillow's bicubic resize, rescale, normalise, 2 frames, merge-window patch\n"
       "order) and writes pixel_values [N, 1176] fp32 and image_grid_thw [1, 3] int64, to compare\n"
-      "with the processor tensor by tensor. Defaults: Qwen2.5-VL's min 3136, max 12845056.\n";
+      "with the processor tensor by tensor. Defaults: Qwen2.5-VL's min 3136, max 12845056.\n\n"
+      "synth writes the built-in shapes task as a LLaVA dataset: DIR/train.jsonl (one conversation\n"
+      "per image: \"<image>\\nWhat is in the image?\" -> \"a red circle top left\") and DIR/images/*.png\n"
+      "(sides in [A, B] px, multiples of 28; default 112..224).\n";
   if (first >= argc || std::string(argv[first]) == "-h" || std::string(argv[first]) == "--help") {
     std::printf("%s", usage);
     return first >= argc ? 2 : 0;
+  }
+  if (std::string(argv[first]) == "synth") {
+    std::string out;
+    int64_t num = -1;
+    dhp::data::ShapesOptions so;
+    so.seed = 1234 * 2;  // data.seed's default training stream
+    Flags flags(argc, argv, first + 1);
+    while (flags.next()) {
+      const auto& f = flags.flag();
+      if (f == "-h" || f == "--help") {
+        std::printf("%s", usage);
+        return 0;
+      }
+      if (f == "--out") out = flags.value();
+      else if (f == "--num") num = parse_int(f, flags.value());
+      else if (f == "--seed") so.seed = static_cast<uint64_t>(parse_int(f, flags.value()));
+      else if (f == "--min-side") so.min_side = parse_int(f, flags.value());
+      else if (f == "--max-side") so.max_side = parse_int(f, flags.value());
+      else DHP_FAIL("unknown option '", flags.raw(), "' (see dhp data --help)");
+    }
+    DHP_CHECK(!out.empty() && num > 0, "dhp data synth needs --out DIR and --num N > 0\n\n", usage);
+    dhp::data::write_synthetic(out, num, dhp::qwen::preset("demo"), so);
+    dhp::log_info("wrote " + std::to_string(num) + " samples of the shapes task to " + out +
+                  " (train.jsonl + images/*.png)");
+    return 0;
   }
   DHP_CHECK(std::string(argv[first]) == "preprocess", "unknown 'dhp data' command '", argv[first], "'\n\n", usage);
   std::string image, out;

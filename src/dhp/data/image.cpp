@@ -12,6 +12,7 @@
 
 #include "dhp/core/error.h"
 #include "dhp/data/shapes.h"
+#include "dhp/io/safetensors.h"
 
 namespace dhp::data {
 namespace {
@@ -237,6 +238,22 @@ Image load_image(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return decode_image(ss.str(), path);
+}
+
+void save_png(const Image& image, const std::string& path) {
+  png_image p{};
+  p.version = PNG_IMAGE_VERSION;
+  p.width = static_cast<png_uint_32>(image.width);
+  p.height = static_cast<png_uint_32>(image.height);
+  p.format = PNG_FORMAT_RGB;
+  png_alloc_size_t size = 0;
+  DHP_CHECK(png_image_write_get_memory_size(p, size, 0, image.rgb.data(), 0, nullptr), path, ": cannot encode PNG: ",
+            p.message);
+  std::string bytes(size, '\0');
+  DHP_CHECK(png_image_write_to_memory(&p, bytes.data(), &size, 0, image.rgb.data(), 0, nullptr), path,
+            ": cannot encode PNG: ", p.message);
+  bytes.resize(size);
+  io::write_file_atomic(path, bytes);
 }
 
 std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,

@@ -28,6 +28,9 @@ struct Image {
 Image load_image(const std::string& path);
 Image decode_image(const std::string& bytes, const std::string& what);
 
+// Writes `image` as an 8-bit RGB PNG (atomically: temporary name, then rename).
+void save_png(const Image& image, const std::string& path);
+
 // Qwen2-VL's smart_resize: sides that are multiples of `factor`, nearest to the original
 // (Python's round: halves to even), scaled into [min_pixels, max_pixels] keeping the aspect
 // ratio. Throws when the aspect ratio exceeds 200, as the processor does.

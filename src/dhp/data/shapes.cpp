@@ -104,7 +104,16 @@ ShapesDataset::ShapesDataset(const qwen::ModelConfig& model, ShapesOptions optio
 
 int64_t ShapesDataset::num_answers() const { return 4 * kNumShapes * 4; }
 
-Sample ShapesDataset::get(int64_t index, bool pixels) const {
+Sample ShapesDataset::get(int64_t index, bool pixels) const { return generate(index, pixels, nullptr); }
+
+Sample ShapesDataset::render(int64_t index, std::vector<uint8_t>& rgb, int64_t& width, int64_t& height) const {
+  Sample s = generate(index, true, &rgb);
+  height = s.grids[0][1] * model_.vision.patch_size;
+  width = s.grids[0][2] * model_.vision.patch_size;
+  return s;
+}
+
+Sample ShapesDataset::generate(int64_t index, bool pixels, std::vector<uint8_t>* rgb) const {
   std::mt19937_64 rng(options_.seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(index) * 7919 + 1);
   auto uni = [&](double a, double b) { return std::uniform_real_distribution<double>(a, b)(rng); };
   auto pick = [&](int64_t n) { return static_cast<int>(std::uniform_int_distribution<int64_t>(0, n - 1)(rng)); };
@@ -124,6 +133,7 @@ Sample ShapesDataset::get(int64_t index, bool pixels) const {
   if (pixels) {  // the rendering draws from rng last, so skipping it changes nothing else
     auto img = torch::empty({3, H, W}, torch::kFloat32);
     auto a = img.accessor<float, 3>();
+    if (rgb) rgb->assign(static_cast<size_t>(H * W * 3), 0);
     std::normal_distribution<float> noise(0.f, 0.03f);
     for (int64_t y = 0; y < H; ++y) {
       for (int64_t x = 0; x < W; ++x) {
@@ -132,6 +142,7 @@ Sample ShapesDataset::get(int64_t index, bool pixels) const {
           float v = (in ? kRGB[colour][c] : bg) + noise(rng);
           v = std::min(1.f, std::max(0.f, v));
           a[c][y][x] = (v - kImageMean[c]) / kImageStd[c];
+          if (rgb) (*rgb)[static_cast<size_t>((y * W + x) * 3 + c)] = static_cast<uint8_t>(std::lround(v * 255.f));
         }
       }
     }

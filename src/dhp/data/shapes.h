@@ -67,11 +67,14 @@ class ShapesDataset {
   // image's pixel values (grids, ids, labels, answer are the same), for ranks that do not
   // encode it.
   Sample get(int64_t index, bool pixels = true) const;
+  // get(index) plus its image as 8-bit RGB (height x width x 3), for writing it to disk.
+  Sample render(int64_t index, std::vector<uint8_t>& rgb, int64_t& width, int64_t& height) const;
   // Number of distinct answers (chance accuracy = 1 / num_answers()).
   int64_t num_answers() const;
   const ShapesVocab& vocab() const { return vocab_; }
 
  private:
+  Sample generate(int64_t index, bool pixels, std::vector<uint8_t>* rgb) const;
   qwen::ModelConfig model_;
   ShapesOptions options_;
   ShapesVocab vocab_;
