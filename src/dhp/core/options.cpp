@@ -159,22 +159,38 @@ void yaml_convert(const YAML::Node& n, std::string& out) {
   out = n.Scalar();
 }
 
-void yaml_convert(const YAML::Node& n, std::vector<int64_t>& out) {
+namespace {
+template <class T>
+void convert_list(const YAML::Node& n, std::vector<T>& out) {
   if (!n.IsSequence()) throw std::invalid_argument("not a list");
-  std::vector<int64_t> v;
+  std::vector<T> v;
   for (const auto& e : n) {
-    int64_t x = 0;
+    T x{};
     yaml_convert(e, x);
-    v.push_back(x);
+    v.push_back(std::move(x));
   }
   out = std::move(v);
 }
+
+template <class T>
+std::string list_text(const std::vector<T>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + to_yaml_text(v[i]);
+  return s + "]";
+}
+}  // namespace
+
+void yaml_convert(const YAML::Node& n, std::vector<int64_t>& out) { convert_list(n, out); }
+void yaml_convert(const YAML::Node& n, std::vector<double>& out) { convert_list(n, out); }
+void yaml_convert(const YAML::Node& n, std::vector<std::string>& out) { convert_list(n, out); }
 
 std::string type_name(const int64_t&) { return "an integer"; }
 std::string type_name(const double&) { return "a number"; }
 std::string type_name(const bool&) { return "true or false"; }
 std::string type_name(const std::string&) { return "a string"; }
 std::string type_name(const std::vector<int64_t>&) { return "a list of integers"; }
+std::string type_name(const std::vector<double>&) { return "a list of numbers"; }
+std::string type_name(const std::vector<std::string>&) { return "a list of strings"; }
 
 std::string to_yaml_text(int64_t v) { return std::to_string(v); }
 std::string to_yaml_text(double v) {
@@ -195,11 +211,9 @@ std::string to_yaml_text(const std::string& v) {
   e << YAML::DoubleQuoted << v;
   return e.c_str();
 }
-std::string to_yaml_text(const std::vector<int64_t>& v) {
-  std::string s = "[";
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
-  return s + "]";
-}
+std::string to_yaml_text(const std::vector<int64_t>& v) { return list_text(v); }
+std::string to_yaml_text(const std::vector<double>& v) { return list_text(v); }
+std::string to_yaml_text(const std::vector<std::string>& v) { return list_text(v); }
 
 }  // namespace detail
 }  // namespace dhp

@@ -50,16 +50,22 @@ void yaml_convert(const YAML::Node& n, double& out);
 void yaml_convert(const YAML::Node& n, bool& out);
 void yaml_convert(const YAML::Node& n, std::string& out);
 void yaml_convert(const YAML::Node& n, std::vector<int64_t>& out);
+void yaml_convert(const YAML::Node& n, std::vector<double>& out);
+void yaml_convert(const YAML::Node& n, std::vector<std::string>& out);
 std::string type_name(const int64_t&);
 std::string type_name(const double&);
 std::string type_name(const bool&);
 std::string type_name(const std::string&);
 std::string type_name(const std::vector<int64_t>&);
+std::string type_name(const std::vector<double>&);
+std::string type_name(const std::vector<std::string>&);
 std::string to_yaml_text(int64_t v);
 std::string to_yaml_text(double v);
 std::string to_yaml_text(bool v);
 std::string to_yaml_text(const std::string& v);
 std::string to_yaml_text(const std::vector<int64_t>& v);
+std::string to_yaml_text(const std::vector<double>& v);
+std::string to_yaml_text(const std::vector<std::string>& v);
 std::string describe(const YAML::Node& n);
 }  // namespace detail
 

@@ -36,8 +36,18 @@ Config load_config(const std::string& file, const std::vector<std::string>& sets
 
 void Config::validate() const {
   model.config.validate();
-  DHP_CHECK(data.dataset == "shapes", "data.dataset='", data.dataset,
-            "' is not supported; available: shapes");
+  DHP_CHECK(data.dataset == "shapes" || data.dataset == "llava", "data.dataset='", data.dataset,
+            "' is not supported; available: shapes, llava");
+  if (data.dataset == "llava") {
+    DHP_CHECK(!data.files.empty(), "data.dataset=llava needs data.files (annotation files)");
+    DHP_CHECK(data.fractions.empty() || data.fractions.size() == data.files.size(), "data.fractions has ",
+              data.fractions.size(), " entries for ", data.files.size(), " data.files");
+    for (double f : data.fractions) DHP_CHECK(f >= 0, "data.fractions must be >= 0, got ", f);
+    DHP_CHECK(data.max_length > 0, "data.max_length must be > 0, got ", data.max_length);
+    DHP_CHECK(data.min_pixels > 0 && data.max_pixels >= data.min_pixels, "data.min_pixels=", data.min_pixels,
+              " and data.max_pixels=", data.max_pixels, " must satisfy 0 < min <= max");
+    DHP_CHECK(data.workers >= 1 && data.prefetch >= 1, "data.workers and data.prefetch must be >= 1");
+  }
   DHP_CHECK(data.batch_size > 0, "data.batch_size must be > 0, got ", data.batch_size);
   DHP_CHECK(data.eval_samples >= 0, "data.eval_samples must be >= 0, got ", data.eval_samples);
   DHP_CHECK(training.steps > 0, "training.steps must be > 0, got ", training.steps);

@@ -26,20 +26,41 @@ struct ModelOptions {
 };
 
 struct DataOptions {
-  std::string dataset = "shapes";  // built-in synthetic task
+  std::string dataset = "shapes";  // built-in synthetic task, or llava (files)
   int64_t batch_size = 16;         // global batch: samples per optimizer step
   int64_t eval_samples = 256;      // held-out samples for the final evaluation
   int64_t min_side = 112;          // synthetic image side range (pixels)
   int64_t max_side = 224;
   int64_t seed = 1234;             // dataset seed (held-out set uses a different stream)
+  // dataset: llava
+  std::vector<std::string> files;  // annotation files (JSON or JSONL)
+  std::vector<double> fractions;   // per file: records per epoch = fraction x records (empty = all 1)
+  std::string root;                // image root (empty: each file's directory)
+  std::string tokenizer = "third_party/qwen-tokenizer/tokenizer.json";
+  int64_t max_length = 2048;       // tokens per sample (longer: cut after the last image, or skipped)
+  int64_t min_pixels = 3136;       // image resize range (Qwen2.5-VL's preprocessor defaults)
+  int64_t max_pixels = 12845056;
+  int64_t workers = 2;             // image decoding threads per process
+  int64_t prefetch = 16;           // samples decoded ahead
+  bool strict = false;             // a bad record or sample stops the run (default: skipped, counted)
   template <class V>
   void visit(V& v) {
-    v.field("dataset", dataset, "dataset: shapes (built-in synthetic task)");
+    v.field("dataset", dataset, "dataset: shapes (built-in synthetic task) or llava (data.files)");
     v.field("batch_size", batch_size, "global batch size (samples per optimizer step)");
     v.field("eval_samples", eval_samples, "held-out samples evaluated at the end (0 = none)");
     v.field("min_side", min_side, "smallest synthetic image side in pixels");
     v.field("max_side", max_side, "largest synthetic image side in pixels");
     v.field("seed", seed, "dataset seed");
+    v.field("files", files, "llava: annotation files, JSON arrays or JSONL of {image, conversations}");
+    v.field("fractions", fractions, "llava: per file, records drawn per epoch as a fraction of its records (empty = 1 each)");
+    v.field("root", root, "llava: directory the image paths are relative to (empty = each file's directory)");
+    v.field("tokenizer", tokenizer, "llava: Hugging Face tokenizer.json (Qwen2 family; scripts/fetch_tokenizer.sh)");
+    v.field("max_length", max_length, "llava: tokens per sample; longer ones are cut after their last image or skipped");
+    v.field("min_pixels", min_pixels, "llava: smallest resized image area in pixels");
+    v.field("max_pixels", max_pixels, "llava: largest resized image area in pixels");
+    v.field("workers", workers, "llava: image decoding threads per process");
+    v.field("prefetch", prefetch, "llava: samples prepared ahead of the trainer");
+    v.field("strict", strict, "llava: stop at the first bad record or sample instead of skipping and counting it");
   }
 };
 

@@ -13,6 +13,7 @@
 #include <limits>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "dhp/core/log.h"
 #include "dhp/core/machine.h"
@@ -50,7 +51,8 @@ std::string metrics_json(const StepMetrics& m) {
      << ", \"patches\": " << m.patches << ", \"peak_bytes\": " << m.peak_bytes
      << ", \"model_flops\": " << m.model_flops << ", \"comm_s\": " << m.comm_s
      << ", \"comm_calls\": " << m.comm_calls << ", \"comm_bytes\": " << m.comm_bytes
-     << ", \"wait_s\": " << m.wait_s;
+     << ", \"wait_s\": " << m.wait_s << ", \"data_wait_s\": " << m.data_wait_s
+     << ", \"skipped_samples\": " << m.skipped_samples;
   auto list = [&](const char* key, const std::vector<double>& v) {
     os << ", \"" << key << "\": [";
     for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
@@ -69,10 +71,38 @@ std::string metrics_json(const StepMetrics& m) {
 }  // namespace
 
 Trainer::Trainer(const Config& cfg, const Runtime& rt)
-    : cfg_(cfg),
-      rt_(rt),
-      train_data_(cfg.model.config, shapes_options(cfg, 0)),
-      eval_data_(cfg.model.config, shapes_options(cfg, 1)) {
+    : cfg_(cfg), rt_(rt) {
+  if (cfg_.data.dataset == "llava") {
+    const auto& d = cfg_.data;
+    data::LoaderOptions o;
+    for (size_t i = 0; i < d.files.size(); ++i) {
+      o.datasets.push_back({d.files[i], d.root, d.fractions.empty() ? 1.0 : d.fractions[i]});
+    }
+    o.seed = static_cast<uint64_t>(d.seed);
+    o.image.min_pixels = d.min_pixels;
+    o.image.max_pixels = d.max_pixels;
+    o.image.patch_size = cfg_.model.config.vision.patch_size;
+    o.image.merge_size = cfg_.model.config.vision.spatial_merge_size;
+    o.image.temporal_patch_size = cfg_.model.config.vision.temporal_patch_size;
+    o.merge_size = cfg_.model.config.vision.spatial_merge_size;
+    o.chat.max_length = d.max_length;
+    o.strict = d.strict;
+    auto tok = std::make_shared<const data::Tokenizer>(data::Tokenizer::from_file(d.tokenizer));
+    const auto& mc = cfg_.model.config;
+    for (const auto& [key, token, id] : {std::tuple<const char*, const char*, int64_t>{"model.image_token_id",
+                                                                                      "<|image_pad|>", mc.image_token_id},
+                                         {"model.vision_start_token_id", "<|vision_start|>", mc.vision_start_token_id},
+                                         {"model.vision_end_token_id", "<|vision_end|>", mc.vision_end_token_id}}) {
+      DHP_CHECK(tok->token_id(token) == id, key, "=", id, " but ", d.tokenizer, " has ", token, " at id ",
+                tok->token_id(token), "; set ", key, "=", tok->token_id(token));
+    }
+    DHP_CHECK(tok->vocab_size() <= mc.text.vocab_size, "model.text.vocab_size=", mc.text.vocab_size, " is smaller than ",
+              d.tokenizer, "'s ", tok->vocab_size(), " tokens");
+    llava_ = std::make_shared<data::LlavaDataset>(o, tok);
+  } else {
+    train_data_ = std::make_unique<data::ShapesDataset>(cfg.model.config, shapes_options(cfg, 0));
+    eval_data_ = std::make_unique<data::ShapesDataset>(cfg.model.config, shapes_options(cfg, 1));
+  }
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
   // Ranks on one machine share its cores.
   const int64_t local = rt_.local_world > 0 ? rt_.local_world : rt_.world;
@@ -155,7 +185,7 @@ std::string Trainer::save_checkpoint() {
     try {
       if (!error.empty()) DHP_FAIL(error);
       io::Json meta = io::Json::object();
-      meta.set("samples_seen", io::Json(sample_base_ + (step_ - base_step_) * cfg_.data.batch_size));
+      meta.set("samples_seen", io::Json(data_position()));  // the data stream's next position
       meta.set("batch_size", io::Json(cfg_.data.batch_size));
       meta.set("world", io::Json(rt_.world));
       meta.set("layout", io::Json(describe(parallel_->layouts())));
@@ -190,6 +220,7 @@ void Trainer::load_checkpoint(const std::string& dir) {
   step_ = r.manifest().step;
   base_step_ = step_;
   sample_base_ = meta.at("samples_seen", what).integer(what + " samples_seen");
+  loader_.reset();  // restarts at sample_base_ on the next step
   parallel_->set_optimizer_steps(step_);
   if (r.has("rng/cpu")) {
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -241,14 +272,36 @@ void Trainer::resume() {
   }
 }
 
+const data::ShapesDataset& Trainer::dataset() const {
+  DHP_CHECK(train_data_ != nullptr, "Trainer::dataset(): data.dataset is ", cfg_.data.dataset, ", not shapes");
+  return *train_data_;
+}
+
+int64_t Trainer::data_position() const {
+  if (llava_) return loader_ ? loader_->position() : sample_base_;
+  return sample_base_ + (step_ - base_step_) * cfg_.data.batch_size;
+}
+
 std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const {
   const int64_t B = cfg_.data.batch_size, M = cfg_.training.micro_batches;
   std::vector<std::vector<data::Sample>> out;
   int64_t next = sample_base_ + (step - base_step_) * B;
+  if (llava_ && !loader_) {
+    // Every rank reads the whole global batch (the parallel model splits it), in stream order.
+    loader_ = std::make_unique<data::Loader>(llava_, sample_base_, 0, 1, cfg_.data.workers, cfg_.data.prefetch);
+  }
   for (int64_t mb = 0; mb < M; ++mb) {
     const int64_t n = B / M + (mb < B % M ? 1 : 0);
     std::vector<data::Sample> samples;
-    for (int64_t i = 0; i < n; ++i) samples.push_back(train_data_.get(next++, parallel_->encodes(i, n)));
+    for (int64_t i = 0; i < n; ++i) {
+      if (!llava_) {
+        samples.push_back(train_data_->get(next++, parallel_->encodes(i, n)));
+        continue;
+      }
+      auto s = loader_->next();
+      if (!parallel_->encodes(i, n)) s.pixel_values = torch::Tensor();  // another replica encodes it
+      samples.push_back(std::move(s));
+    }
     out.push_back(std::move(samples));
   }
   return out;
@@ -263,9 +316,14 @@ StepMetrics Trainer::train_step() {
   const auto comm0 = dist::comm_stats();
   parallel_->zero_grad();  // the last step's gradients go before this step's pixels arrive
   memory_mark("step start");
+  const double data_wait0 = loader_ ? loader_->wait_seconds() : 0;
   auto micro = step_samples(step_);
   memory_mark("samples");
   StepMetrics m;
+  if (loader_) {
+    m.data_wait_s = loader_->wait_seconds() - data_wait0;
+    m.skipped_samples = loader_->skipped();
+  }
   for (const auto& mb : micro) {
     for (const auto& s : mb) {
       m.target_tokens += data::num_targets(s);
@@ -308,6 +366,10 @@ StepMetrics Trainer::train_step() {
 }
 
 EvalResult Trainer::evaluate(int64_t num_samples) {
+  if (!eval_data_) {
+    if (is_main()) log_info("no held-out evaluation for data.dataset=" + cfg_.data.dataset);
+    return {};
+  }
   if (parallel_->plain()) return evaluate_model(model(), num_samples);
   // Sharded: rank 0 evaluates a single-process copy of the full parameters.
   auto full = parallel_->full_parameters();
@@ -332,7 +394,7 @@ EvalResult Trainer::evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samp
   const int64_t chunk = std::max<int64_t>(1, cfg_.data.batch_size);
   for (int64_t start = 0; start < num_samples; start += chunk) {
     std::vector<data::Sample> samples;
-    for (int64_t i = start; i < std::min(num_samples, start + chunk); ++i) samples.push_back(eval_data_.get(i));
+    for (int64_t i = start; i < std::min(num_samples, start + chunk); ++i) samples.push_back(eval_data_->get(i));
     auto b = data::collate(samples, cfg_.model.config);
     auto logits = model.target_logits(b);  // (n, vocab), target positions in order
     auto sel = b.targets.ne(-100).nonzero().squeeze(-1);
@@ -415,8 +477,12 @@ EvalResult Trainer::run() {
   Timer total;
   const int64_t start = step_;
   const auto& ck = cfg_.checkpoint;
+  double data_wait = 0;
+  int64_t skipped = 0;
   for (int64_t s = step_; s < cfg_.training.steps; ++s) {
     auto m = train_step();
+    data_wait += m.data_wait_s;
+    skipped = m.skipped_samples;
     const bool last = step_ == cfg_.training.steps;
     if ((ck.every > 0 && step_ % ck.every == 0) || (last && ck.at_end)) save_checkpoint();
     if (!main) continue;
@@ -440,6 +506,12 @@ EvalResult Trainer::run() {
     std::fflush(stderr);
   }
   const double train_s = total.seconds();
+  if (main && llava_) {
+    char line[200];
+    std::snprintf(line, sizeof(line), "data: waited %.2f s for samples in %.1f s of training (%.1f%%); %lld bad sample(s) skipped",
+                  data_wait, train_s, 100 * data_wait / std::max(train_s, 1e-9), static_cast<long long>(skipped));
+    log_info(line);
+  }
   if (cfg_.output.hf_export) {
     auto full = parallel_->full_parameters();  // collective; complete on rank 0
     if (main) {
@@ -456,7 +528,8 @@ EvalResult Trainer::run() {
   summary << std::setprecision(8) << "{\"steps\": " << cfg_.training.steps << ", \"first_loss\": " << first_loss
           << ", \"final_loss\": " << last_loss << ", \"train_seconds\": " << train_s
           << ", \"eval_samples\": " << ev.samples << ", \"eval_exact_match\": " << ev.accuracy
-          << ", \"eval_loss\": " << ev.loss << ", \"chance\": " << 1.0 / static_cast<double>(train_data_.num_answers())
+          << ", \"eval_loss\": " << ev.loss << ", \"data_wait_fraction\": " << data_wait / std::max(train_s, 1e-9)
+          << ", \"skipped_samples\": " << skipped << ", \"chance\": " << (train_data_ ? 1.0 / static_cast<double>(train_data_->num_answers()) : 0.0)
           << "}\n";
   char line[256];
   if (ev.samples > 0) {
@@ -464,9 +537,10 @@ EvalResult Trainer::run() {
                   "done in %s: loss %.4f -> %.4f; held-out exact match %lld/%lld = %.1f%% (chance %.1f%%)",
                   fmt_duration(train_s).c_str(), first_loss, last_loss, static_cast<long long>(ev.exact),
                   static_cast<long long>(ev.samples), 100 * ev.accuracy,
-                  100.0 / static_cast<double>(train_data_.num_answers()));
+                  100.0 / static_cast<double>(train_data_->num_answers()));
   } else {
-    std::snprintf(line, sizeof(line), "done in %s: loss %.4f -> %.4f (no held-out evaluation: data.eval_samples=0)",
+    std::snprintf(line, sizeof(line), llava_ ? "done in %s: loss %.4f -> %.4f (no held-out evaluation for llava data)"
+                                             : "done in %s: loss %.4f -> %.4f (no held-out evaluation: data.eval_samples=0)",
                   fmt_duration(train_s).c_str(), first_loss, last_loss);
   }
   log_info(line);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "dhp/data/loader.h"
 #include "dhp/data/shapes.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 #include "dhp/train/config.h"
@@ -31,6 +32,8 @@ struct StepMetrics {
   int64_t comm_calls = 0;
   int64_t comm_bytes = 0;
   double wait_s = 0;           // this rank's time blocked on the other module (schedule receives)
+  double data_wait_s = 0;      // rank 0's time waiting for the data loader's samples
+  int64_t skipped_samples = 0; // bad samples skipped so far (llava; see the log for the reasons)
   // Per rank of the job, rank-major (rank 0 has them all; other ranks their own only).
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
   std::vector<double> vision_s_per_rank, text_s_per_rank;  // time in each module's forward/backward
@@ -60,7 +63,7 @@ class Trainer {
   ParallelModel& parallel_model() { return *parallel_; }
   // Every parameter in full (collective over the job).
   std::map<std::string, torch::Tensor> full_parameters() { return parallel_->full_parameters(); }
-  const data::ShapesDataset& dataset() const { return train_data_; }
+  const data::ShapesDataset& dataset() const;  // data.dataset=shapes only
   // The samples of global step `step` (0-based), split into micro-batches. Pixel values
   // only of the samples this rank's vision replica encodes (all of them on one process).
   std::vector<std::vector<data::Sample>> step_samples(int64_t step) const;
@@ -82,7 +85,11 @@ class Trainer {
   Config cfg_;
   Runtime rt_;
   std::unique_ptr<ParallelModel> parallel_;
-  data::ShapesDataset train_data_, eval_data_;
+  std::unique_ptr<data::ShapesDataset> train_data_, eval_data_;  // data.dataset=shapes
+  std::shared_ptr<const data::LlavaDataset> llava_;               // data.dataset=llava
+  mutable std::unique_ptr<data::Loader> loader_;                  // created at the first step
+  // The stream position after the samples taken so far (llava: the loader's).
+  int64_t data_position() const;
   int64_t step_ = 0;
   // Step base_step_ starts at sample sample_base_ (both 0 unless resumed).
   int64_t base_step_ = 0, sample_base_ = 0;
