@@ -413,22 +413,29 @@ int cmd_forward(int argc, char** argv, int first) {
             usage);
   DHP_CHECK(nproc >= 1, "--nproc must be >= 1, got ", nproc);
   const auto env = dhp::launch::worker_env();
+  // The sample from the inputs file, checked; errors name the file.
+  auto read_batch = [&](const dhp::qwen::ModelConfig& c) {
+    dhp::io::SafetensorsReader in(inputs);
+    auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
+    DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
+    try {
+      return dhp::qwen::forward_batch(c, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
+    } catch (const dhp::Error& e) {
+      DHP_FAIL(inputs, ": ", e.what());
+    }
+  };
+  auto write = [&](const torch::Tensor& logits, const std::string& how) {
+    dhp::io::write_safetensors(out, {{"logits", logits}});
+    dhp::log_info("wrote logits " + std::to_string(logits.size(1)) + " x " + std::to_string(logits.size(2)) + " to " +
+                  out + how);
+  };
   if (!env && nproc == 1 && sets.empty()) {  // one process, the plain model
     const auto cfg = dhp::qwen::read_hf_config(model);
     dhp::qwen::Qwen2_5_VL m(cfg);
     dhp::qwen::load_hf_weights(model, *m);
-    dhp::io::SafetensorsReader in(inputs);
-    auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
-    DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
-    torch::Tensor logits;
-    try {
-      logits = dhp::qwen::forward_logits(*m, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
-    } catch (const dhp::Error& e) {
-      DHP_FAIL(inputs, ": ", e.what());
-    }
-    dhp::io::write_safetensors(out, {{"logits", logits}});
-    dhp::log_info("wrote logits " + std::to_string(logits.size(1)) + " x " + std::to_string(logits.size(2)) + " to " +
-                  out);
+    const auto batch = read_batch(cfg);
+    torch::NoGradGuard no_grad;
+    write(m->target_logits(batch).unsqueeze(0), "");
     return 0;
   }
   sets.push_back("model.from=" + model);
@@ -439,22 +446,10 @@ int cmd_forward(int argc, char** argv, int first) {
   auto rt = worker_runtime(env, cfg.parallel.timeout_s);
   rt.optimizer = false;
   try {
-    dhp::io::SafetensorsReader in(inputs);
-    auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
-    DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
-    dhp::qwen::Batch batch;
-    try {
-      batch = dhp::qwen::forward_batch(cfg.model.config, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
-    } catch (const dhp::Error& e) {
-      DHP_FAIL(inputs, ": ", e.what());
-    }
+    const auto batch = read_batch(cfg.model.config);
     dhp::train::ParallelModel pm(cfg, layouts, rt);
     const auto logits = pm.forward_logits(batch);
-    if (rt.rank == 0) {
-      dhp::io::write_safetensors(out, {{"logits", logits}});
-      dhp::log_info("wrote logits " + std::to_string(logits.size(1)) + " x " + std::to_string(logits.size(2)) +
-                    " to " + out + " (" + std::to_string(world) + " rank(s): " + dhp::train::describe(layouts) + ")");
-    }
+    if (rt.rank == 0) write(logits, " (" + std::to_string(world) + " rank(s): " + dhp::train::describe(layouts) + ")");
     pm.barrier();
   } catch (const std::exception& e) {
     dhp::launch::report_worker_error(e.what());

@@ -457,8 +457,8 @@ torch::Tensor ParallelModel::forward_logits(const qwen::Batch& b) {
   if (!text_->member && rt_.rank == 0) {
     logits = torch::empty({b.input_ids.size(0), mc.text.vocab_size}, torch::kFloat32);
     job_.recv(logits, owner, /*tag=*/1);
-  } else if (rt_.rank == owner && owner != 0) {
-    if (text_->layout.module_rank(0) < 0) job_.send(logits, 0, /*tag=*/1);
+  } else if (rt_.rank == owner && text_->layout.module_rank(0) < 0) {
+    job_.send(logits, 0, /*tag=*/1);
   }
   job_.wait_sends();
   return rt_.rank == 0 ? logits.unsqueeze(0) : torch::Tensor();
