@@ -4,10 +4,14 @@
 // reproducible and differs by epoch; replicas' positions are disjoint and cover the
 // stream; background workers give the sequential samples; a loader restarted at position()
 // continues identically; bad samples (missing or corrupt image) are skipped, counted and
-// named; an all-bad dataset stops with an error; strict mode stops at the first.
+// named; an all-bad dataset stops with an error; strict mode stops at the first. Packing to
+// a token budget takes the stream in order, fills each micro-batch greedily within the
+// budget, resumes bit-exactly with a look-ahead sample pending, and trains the same under
+// data parallelism.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -232,6 +236,117 @@ TEST(LlavaTraining, DhpOnTwoRanksTrainsLikeOneProcess) {
     for (int i = 0; i < 2; ++i) one.push_back(t.train_step().loss);
   }
   const auto cfg = llava_config(dir.path().string(), {"parallel.strategy=dhp"});
+  std::vector<double> two;
+  std::mutex mu;
+  dhp::testing::run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {
+    dhp::train::Runtime rt;
+    rt.rank = rank;
+    rt.world = 2;
+    rt.store = std::make_shared<dhp::dist::Store>(store);
+    rt.timeout = dhp::testing::kTestTimeout;
+    dhp::train::Trainer t(cfg, rt);
+    std::vector<double> l;
+    for (int i = 0; i < 2; ++i) l.push_back(t.train_step().loss);
+    if (rank == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      two = l;
+    }
+  });
+  ASSERT_EQ(two.size(), 2u);
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * one[i]) << "step " << i + 1;
+}
+
+// Packing: micro-batches take the stream in order (nothing lost or repeated, across steps
+// too), each stays within data.pack_tokens and is full (the next sample would not fit).
+TEST(LlavaTraining, PacksGreedilyToTheTokenBudgetInStreamOrder) {
+  dhp::testing::TempDir dir("loader_pack");
+  dhp::data::write_synthetic(dir.path().string(), 12, dhp::qwen::preset("demo"), shapes_options());
+  auto o = options({{(dir.path() / "train.jsonl").string(), 1.0}});
+  o.image.min_pixels = 3136;
+  o.image.max_pixels = 12544;
+  o.seed = dhp::DataOptions().seed;  // the trainer's stream
+  auto data = std::make_shared<const LlavaDataset>(o, qwen());
+  Loader ref(data, 0, 0, 1, 1, 4);
+  std::vector<int64_t> lengths;
+  std::vector<std::vector<int64_t>> stream;
+  for (int i = 0; i < 40; ++i) {
+    auto s = ref.next();
+    lengths.push_back(static_cast<int64_t>(s.ids.size()));
+    stream.push_back(s.ids);
+  }
+  const auto [lo, hi] = std::minmax_element(lengths.begin(), lengths.end());
+  ASSERT_LT(*lo, *hi) << "the synthetic samples should differ in length";
+  const int64_t budget = 3 * *hi + *lo / 2;  // three or four samples per micro-batch
+  const std::vector<std::string> pack = {"data.pack_tokens=" + std::to_string(budget), "training.micro_batches=2",
+                                         "data.max_length=" + std::to_string(*hi)};
+  dhp::train::Trainer t(llava_config(dir.path().string(), pack));
+  size_t next = 0;
+  for (int step = 0; step < 3; ++step) {
+    const auto micro = t.next_step_samples();
+    ASSERT_EQ(micro.size(), 2u);
+    for (const auto& mb : micro) {
+      int64_t tokens = 0;
+      for (const auto& s : mb) {
+        ASSERT_LT(next, stream.size());
+        EXPECT_EQ(s.ids, stream[next]) << "stream position " << next;
+        ++next;
+        tokens += static_cast<int64_t>(s.ids.size());
+      }
+      EXPECT_GE(mb.size(), 3u);
+      EXPECT_LE(tokens, budget);
+      EXPECT_GT(tokens + lengths[next], budget) << "the next sample would have fit";
+    }
+  }
+  // The parameters: samples per step vary, tokens stay within the budget.
+  dhp::train::Trainer u(llava_config(dir.path().string(), pack));
+  const auto m = u.train_step();
+  EXPECT_GE(m.samples, 6);
+  EXPECT_LE(m.tokens, 2 * budget);
+  EXPECT_THROW(llava_config(dir.path().string(), {"data.pack_tokens=100", "data.max_length=200"}), dhp::Error);
+}
+
+// A checkpoint taken while a look-ahead sample waits for the next micro-batch resumes with
+// it: the same losses bit for bit.
+TEST(LlavaTraining, PackedRunResumesBitExactly) {
+  dhp::testing::TempDir dir("loader_pack_resume");
+  dhp::data::write_synthetic(dir.path().string(), 10, dhp::qwen::preset("demo"), shapes_options());
+  const std::vector<std::string> pack = {"data.pack_tokens=400", "data.max_length=200"};
+  std::vector<double> whole;
+  std::vector<int64_t> samples;
+  {
+    dhp::train::Trainer t(llava_config(dir.path().string(), pack));
+    for (int i = 0; i < 4; ++i) {
+      const auto m = t.train_step();
+      whole.push_back(m.loss);
+      samples.push_back(m.samples);
+      if (t.step() == 2) t.save_checkpoint();
+    }
+  }
+  auto resumed = pack;
+  resumed.push_back("checkpoint.resume=auto");
+  dhp::train::Trainer r(llava_config(dir.path().string(), resumed));
+  ASSERT_EQ(r.step(), 2);
+  for (int i = 2; i < 4; ++i) {
+    const auto m = r.train_step();
+    EXPECT_EQ(m.loss, whole[i]) << "step " << i + 1;
+    EXPECT_EQ(m.samples, samples[i]) << "step " << i + 1;
+  }
+}
+
+// Packed micro-batches under data parallelism (each replica its share of a micro-batch)
+// give the single-process losses within 1e-5.
+TEST(LlavaTraining, PackedDataParallelTrainsLikeOneProcess) {
+  dhp::testing::TempDir dir("loader_pack_dp");
+  dhp::data::write_synthetic(dir.path().string(), 8, dhp::qwen::preset("demo"), shapes_options());
+  const std::vector<std::string> pack = {"data.pack_tokens=400", "data.max_length=200", "training.micro_batches=2"};
+  std::vector<double> one;
+  {
+    dhp::train::Trainer t(llava_config(dir.path().string(), pack));
+    for (int i = 0; i < 2; ++i) one.push_back(t.train_step().loss);
+  }
+  auto dp = pack;
+  dp.push_back("parallel.strategy=dp");
+  const auto cfg = llava_config(dir.path().string(), dp);
   std::vector<double> two;
   std::mutex mu;
   dhp::testing::run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {

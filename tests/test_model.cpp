@@ -1,5 +1,6 @@
 // Whole-model tests: parameter counts, every preset's forward/backward at reduced depth,
-// activation checkpointing gives equal gradients, HF parameter names, init independence.
+// activation checkpointing gives equal gradients, HF parameter names, init independence,
+// packed samples never attend across their boundaries.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -159,6 +160,47 @@ TEST(Model, ActivationCheckpointingGivesEqualGrads) {
   for (auto& kv : grads[0]) {
     const double scale = kv.second.abs().max().item<double>() + 1e-12;
     EXPECT_LT((kv.second - grads[1][kv.first]).abs().max().item<double>(), 1e-6 * scale) << kv.first;
+  }
+}
+
+// Packing: the loss of samples concatenated into one row (vision patches and tokens, with
+// cu_seqlens) is the sum of each sample's loss alone, and so are the gradients; any
+// attention across a boundary (vision window/full, text causal) would change them.
+TEST(Model, PackedSamplesDoNotAttendAcrossBoundaries) {
+  auto c = dhp::qwen::preset("demo");
+  dhp::data::ShapesOptions so;
+  so.min_side = 56;
+  so.max_side = 168;
+  dhp::data::ShapesDataset ds(c, so);
+  std::vector<dhp::data::Sample> samples;
+  for (int i = 0; i < 3; ++i) samples.push_back(ds.get(i));
+  dhp::qwen::Qwen2_5_VL m(c);
+  dhp::qwen::init_parameters(*m, 1, 0.05);
+  auto grads = [&] {
+    std::map<std::string, torch::Tensor> g;
+    for (auto& kv : m->named_parameters()) {
+      g[kv.key()] = kv.value().grad().clone();
+      kv.value().mutable_grad().zero_();
+    }
+    return g;
+  };
+  auto packed = m->forward(dhp::data::collate(samples, c));
+  packed.loss_sum.backward();
+  const auto packed_grads = grads();
+  double alone = 0;
+  int64_t targets = 0;
+  for (const auto& s : samples) {
+    auto out = m->forward(dhp::data::collate({s}, c));
+    out.loss_sum.backward();
+    alone += out.loss_sum.item<double>();
+    targets += out.num_tokens;
+  }
+  const auto alone_grads = grads();  // accumulated over the three
+  EXPECT_EQ(packed.num_tokens, targets);
+  EXPECT_NEAR(packed.loss_sum.item<double>(), alone, 1e-6 * alone);
+  for (const auto& [name, g] : packed_grads) {
+    const double scale = g.abs().max().item<double>() + 1e-12;
+    EXPECT_LT((g - alone_grads.at(name)).abs().max().item<double>(), 1e-5 * scale) << name;
   }
 }
 

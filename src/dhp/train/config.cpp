@@ -51,7 +51,12 @@ void Config::validate() const {
   DHP_CHECK(data.batch_size > 0, "data.batch_size must be > 0, got ", data.batch_size);
   DHP_CHECK(data.eval_samples >= 0, "data.eval_samples must be >= 0, got ", data.eval_samples);
   DHP_CHECK(training.steps > 0, "training.steps must be > 0, got ", training.steps);
-  DHP_CHECK(training.micro_batches > 0 && training.micro_batches <= data.batch_size,
+  DHP_CHECK(data.pack_tokens >= 0, "data.pack_tokens must be >= 0, got ", data.pack_tokens);
+  if (data.dataset == "llava" && data.pack_tokens > 0) {
+    DHP_CHECK(data.pack_tokens >= data.max_length, "data.pack_tokens=", data.pack_tokens,
+              " is smaller than data.max_length=", data.max_length, ": the longest sample would not fit");
+  }
+  DHP_CHECK(training.micro_batches > 0 && (data.pack_tokens > 0 || training.micro_batches <= data.batch_size),
             "training.micro_batches=", training.micro_batches, " must be in [1, data.batch_size=",
             data.batch_size, "]");
   DHP_CHECK(training.precision == "fp32" || training.precision == "bf16",

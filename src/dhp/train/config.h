@@ -28,6 +28,7 @@ struct ModelOptions {
 struct DataOptions {
   std::string dataset = "shapes";  // built-in synthetic task, or llava (files)
   int64_t batch_size = 16;         // global batch: samples per optimizer step
+  int64_t pack_tokens = 0;         // > 0: micro-batches packed to this many tokens instead
   int64_t eval_samples = 256;      // held-out samples for the final evaluation
   int64_t min_side = 112;          // synthetic image side range (pixels)
   int64_t max_side = 224;
@@ -46,7 +47,9 @@ struct DataOptions {
   template <class V>
   void visit(V& v) {
     v.field("dataset", dataset, "dataset: shapes (built-in synthetic task) or llava (data.files)");
-    v.field("batch_size", batch_size, "global batch size (samples per optimizer step)");
+    v.field("batch_size", batch_size, "global batch size (samples per optimizer step); unused with pack_tokens");
+    v.field("pack_tokens", pack_tokens, "token budget per micro-batch (0 = off): samples are packed in stream order "
+            "while the micro-batch stays within it, at least one per data-parallel replica");
     v.field("eval_samples", eval_samples, "held-out samples evaluated at the end (0 = none)");
     v.field("min_side", min_side, "smallest synthetic image side in pixels");
     v.field("max_side", max_side, "largest synthetic image side in pixels");

@@ -109,8 +109,10 @@ Layouts resolve_layouts(const Config& cfg, int64_t world) {
               " runs no module: parallel.vision.ranks=", detail::to_yaml_text(l.vision.ranks),
               " and parallel.text.ranks=", detail::to_yaml_text(l.text.ranks), " leave it idle");
   }
-  // Every replica of both modules needs at least one sample of the smallest micro-batch.
-  const int64_t smallest = cfg.data.batch_size / cfg.training.micro_batches;
+  // Every replica of both modules needs at least one sample of the smallest micro-batch
+  // (packed micro-batches always hold one per replica).
+  const int64_t smallest = cfg.data.pack_tokens > 0 ? std::max(l.vision.dp, l.text.dp)
+                                                    : cfg.data.batch_size / cfg.training.micro_batches;
   for (auto* m : {&l.vision, &l.text}) {
     DHP_CHECK(smallest >= m->dp, "parallel.", m->name(), ".dp=", m->dp, " replicas need at least ", m->dp,
               " samples per micro-batch, but data.batch_size=", cfg.data.batch_size, " / training.micro_batches=",

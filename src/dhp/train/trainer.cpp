@@ -52,7 +52,7 @@ std::string metrics_json(const StepMetrics& m) {
      << ", \"model_flops\": " << m.model_flops << ", \"comm_s\": " << m.comm_s
      << ", \"comm_calls\": " << m.comm_calls << ", \"comm_bytes\": " << m.comm_bytes
      << ", \"wait_s\": " << m.wait_s << ", \"data_wait_s\": " << m.data_wait_s
-     << ", \"skipped_samples\": " << m.skipped_samples;
+     << ", \"skipped_samples\": " << m.skipped_samples << ", \"samples\": " << m.samples;
   auto list = [&](const char* key, const std::vector<double>& v) {
     os << ", \"" << key << "\": [";
     for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
@@ -218,8 +218,9 @@ void Trainer::load_checkpoint(const std::string& dir) {
   const auto& meta = r.manifest().meta;
   const std::string what = dir + "/manifest.json meta";
   step_ = r.manifest().step;
-  base_step_ = step_;
   sample_base_ = meta.at("samples_seen", what).integer(what + " samples_seen");
+  next_sample_ = sample_base_;
+  pending_.reset();
   loader_.reset();  // restarts at sample_base_ on the next step
   parallel_->set_optimizer_steps(step_);
   if (r.has("rng/cpu")) {
@@ -278,29 +279,59 @@ const data::ShapesDataset& Trainer::dataset() const {
 }
 
 int64_t Trainer::data_position() const {
+  if (pending_) return pending_position_;
   if (llava_) return loader_ ? loader_->position() : sample_base_;
-  return sample_base_ + (step_ - base_step_) * cfg_.data.batch_size;
+  return next_sample_;
 }
 
-std::vector<std::vector<data::Sample>> Trainer::step_samples(int64_t step) const {
-  const int64_t B = cfg_.data.batch_size, M = cfg_.training.micro_batches;
-  std::vector<std::vector<data::Sample>> out;
-  int64_t next = sample_base_ + (step - base_step_) * B;
-  if (llava_ && !loader_) {
+data::Sample Trainer::take_sample() {
+  if (pending_) {
+    auto s = std::move(*pending_);
+    pending_.reset();
+    return s;
+  }
+  if (!llava_) return train_data_->get(next_sample_++, true);
+  if (!loader_) {
     // Every rank reads the whole global batch (the parallel model splits it), in stream order.
     loader_ = std::make_unique<data::Loader>(llava_, sample_base_, 0, 1, cfg_.data.workers, cfg_.data.prefetch);
   }
+  return loader_->next();
+}
+
+std::vector<std::vector<data::Sample>> Trainer::next_step_samples() {
+  const int64_t B = cfg_.data.batch_size, M = cfg_.training.micro_batches, budget = cfg_.data.pack_tokens;
+  const auto& l = parallel_->layouts();
+  const int64_t min_samples = std::max(l.vision.dp, l.text.dp);  // one per replica of either module
+  std::vector<std::vector<data::Sample>> out;
   for (int64_t mb = 0; mb < M; ++mb) {
-    const int64_t n = B / M + (mb < B % M ? 1 : 0);
     std::vector<data::Sample> samples;
-    for (int64_t i = 0; i < n; ++i) {
-      if (!llava_) {
-        samples.push_back(train_data_->get(next++, parallel_->encodes(i, n)));
-        continue;
+    if (budget > 0) {
+      int64_t tokens = 0;
+      while (true) {
+        const int64_t at = data_position();
+        auto s = take_sample();
+        const auto len = static_cast<int64_t>(s.ids.size());
+        if (static_cast<int64_t>(samples.size()) >= min_samples && tokens + len > budget) {
+          pending_ = std::move(s);  // opens the next micro-batch
+          pending_position_ = at;
+          break;
+        }
+        tokens += len;
+        samples.push_back(std::move(s));
       }
-      auto s = loader_->next();
-      if (!parallel_->encodes(i, n)) s.pixel_values = torch::Tensor();  // another replica encodes it
-      samples.push_back(std::move(s));
+    } else {
+      const int64_t n = B / M + (mb < B % M ? 1 : 0);
+      for (int64_t i = 0; i < n; ++i) {
+        if (!llava_) {  // generated: pixels only where this rank encodes them
+          samples.push_back(train_data_->get(next_sample_++, parallel_->encodes(i, n)));
+        } else {
+          samples.push_back(take_sample());
+        }
+      }
+    }
+    const auto n = static_cast<int64_t>(samples.size());
+    for (int64_t i = 0; i < n; ++i) {
+      if (!parallel_->encodes(i, n)) samples[i].pixel_values = torch::Tensor();  // another replica encodes it
     }
     out.push_back(std::move(samples));
   }
@@ -317,7 +348,7 @@ StepMetrics Trainer::train_step() {
   parallel_->zero_grad();  // the last step's gradients go before this step's pixels arrive
   memory_mark("step start");
   const double data_wait0 = loader_ ? loader_->wait_seconds() : 0;
-  auto micro = step_samples(step_);
+  auto micro = next_step_samples();
   memory_mark("samples");
   StepMetrics m;
   if (loader_) {
@@ -325,6 +356,7 @@ StepMetrics Trainer::train_step() {
     m.skipped_samples = loader_->skipped();
   }
   for (const auto& mb : micro) {
+    m.samples += static_cast<int64_t>(mb.size());
     for (const auto& s : mb) {
       m.target_tokens += data::num_targets(s);
       m.tokens += static_cast<int64_t>(s.ids.size());
@@ -467,7 +499,11 @@ EvalResult Trainer::run() {
   if (main) {
     log_info("model " + cfg_.model.preset + ": " + std::to_string(pc.vision) + " vision + " +
            std::to_string(pc.text) + " text parameters; " + std::to_string(cfg_.training.steps) +
-           " steps of " + std::to_string(cfg_.data.batch_size) + " samples; threads " +
+           " steps of " +
+           (cfg_.data.pack_tokens > 0 ? std::to_string(cfg_.training.micro_batches) + " micro-batch(es) packed to " +
+                                            std::to_string(cfg_.data.pack_tokens) + " tokens"
+                                      : std::to_string(cfg_.data.batch_size) + " samples") +
+           "; threads " +
            std::to_string(torch::get_num_threads()) + "; run dir " + dir.string());
     log_info("parallel: " + std::to_string(rt_.world) + " rank(s), " + describe(parallel_->layouts()));
     log_info("fp32 GEMMs: " + blas_description());

@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,7 @@ struct StepMetrics {
   double wait_s = 0;           // this rank's time blocked on the other module (schedule receives)
   double data_wait_s = 0;      // rank 0's time waiting for the data loader's samples
   int64_t skipped_samples = 0; // bad samples skipped so far (llava; see the log for the reasons)
+  int64_t samples = 0;         // samples in the step (varies when packing to a token budget)
   // Per rank of the job, rank-major (rank 0 has them all; other ranks their own only).
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
   std::vector<double> vision_s_per_rank, text_s_per_rank;  // time in each module's forward/backward
@@ -64,9 +66,10 @@ class Trainer {
   // Every parameter in full (collective over the job).
   std::map<std::string, torch::Tensor> full_parameters() { return parallel_->full_parameters(); }
   const data::ShapesDataset& dataset() const;  // data.dataset=shapes only
-  // The samples of global step `step` (0-based), split into micro-batches. Pixel values
-  // only of the samples this rank's vision replica encodes (all of them on one process).
-  std::vector<std::vector<data::Sample>> step_samples(int64_t step) const;
+  // The next step's samples from the stream, split into training.micro_batches micro-batches
+  // (data.batch_size samples, or packed to data.pack_tokens each). Pixel values only of the
+  // samples this rank's vision replica encodes (all of them on one process).
+  std::vector<std::vector<data::Sample>> next_step_samples();
   bool is_main() const { return rt_.rank == 0; }
   int64_t step() const { return step_; }  // optimizer steps taken (including those resumed from)
 
@@ -87,12 +90,17 @@ class Trainer {
   std::unique_ptr<ParallelModel> parallel_;
   std::unique_ptr<data::ShapesDataset> train_data_, eval_data_;  // data.dataset=shapes
   std::shared_ptr<const data::LlavaDataset> llava_;               // data.dataset=llava
-  mutable std::unique_ptr<data::Loader> loader_;                  // created at the first step
-  // The stream position after the samples taken so far (llava: the loader's).
+  std::unique_ptr<data::Loader> loader_;                          // created at the first step
+  // The stream position of the next sample a step will use (a packed micro-batch's
+  // look-ahead that did not fit counts as unused).
   int64_t data_position() const;
+  // The next sample of the stream with its pixels (the look-ahead first, if any).
+  data::Sample take_sample();
   int64_t step_ = 0;
-  // Step base_step_ starts at sample sample_base_ (both 0 unless resumed).
-  int64_t base_step_ = 0, sample_base_ = 0;
+  int64_t sample_base_ = 0;  // the stream position training (re)started at
+  int64_t next_sample_ = 0;  // shapes: the next stream position to generate
+  std::optional<data::Sample> pending_;  // packing look-ahead, at stream position pending_position_
+  int64_t pending_position_ = 0;
   int64_t fail_at_step_ = -1;  // DHP_TEST_FAIL_AT test hook
   int64_t kill_at_step_ = -1;  // DHP_TEST_KILL_AT test hook
   int64_t kill_in_save_ = -1;  // DHP_TEST_KILL_IN_SAVE test hook
