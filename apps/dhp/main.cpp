@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -26,6 +27,8 @@
 #include "dhp/train/checkpoint.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/models/qwen2_5_vl/model.h"
+#include "dhp/plan/calibrate.h"
+#include "dhp/plan/report.h"
 #include "launch.h"
 
 namespace {
@@ -39,6 +42,7 @@ commands:
   params    print the parameter count of a config or of every preset
   config    print the resolved config with every key, its default and its meaning
   bench     measure strategies / placements side by side (step time, memory, comm, idle)
+  plan      predict every strategy's step time and memory on a cluster and find the best plan
   forward   logits of a Hugging Face model directory for one sample (safetensors in and out)
   convert   export a training checkpoint (any layout) as a Hugging Face model directory
   tokenize  token ids of text with a Hugging Face tokenizer.json (Qwen's), or --decode them
@@ -349,6 +353,137 @@ int cmd_bench(int argc, char** argv, int first) {
   return 0;
 }
 
+int cmd_plan(int argc, char** argv, int first) {
+  dhp::plan::StudyOptions o;
+  std::string model = "qwen2.5-vl-32b", cluster = "h100x8", json, memory, config;
+  std::vector<std::string> sets;
+  bool calibrate = false;
+  dhp::plan::CalibrateOptions co;
+  Flags flags(argc, argv, first);
+  while (flags.next()) {
+    const std::string& f = flags.flag();
+    auto next = [&] { return flags.value(); };
+    if (f == "-h" || f == "--help") {
+      std::printf(
+          "usage: dhp plan [--model PRESET | --config FILE [--set KEY=VALUE]...] [--cluster SPEC]\n"
+          "                [--vision-tokens LIST] [--batch-sizes LIST] [--images N] [--text-tokens N]\n"
+          "                [--targets N] [--precision bf16|fp32] [--no-checkpointing] [--conventions dhp|reference]\n"
+          "                [--strategies LIST] [--memory-per-device SIZE] [--top K] [--json FILE]\n"
+          "       dhp plan --calibrate [--ranks N] [--threads N] [--out FILE]\n\n"
+          "Predicts, from the cost model in docs/cost_model.md (no measurement), each named strategy's\n"
+          "throughput (vision patches per image x batch / step time, the reference's metric), step time,\n"
+          "memory per device and largest batch for each vision length, and searches every plan (vision\n"
+          "none/sp/tp/zero3/dp and text none/tp/zero3/dp at every degree, data-parallel replicas, on the\n"
+          "same or on disjoint devices, micro-batches) for the fastest that fits.\n\n"
+          "options:\n"
+          "  --model PRESET         model preset (default qwen2.5-vl-32b; see dhp params --all)\n"
+          "  --config FILE, --set   take the model from a dhp config instead\n"
+          "  --cluster SPEC         h100, h200, a100, each xN devices (default h100x8; 8 per node), or\n"
+          "                         localxN: this machine as N ranks, from dhp plan --calibrate --ranks N\n"
+          "  --vision-tokens LIST   patches per image (default 1024,4096)\n"
+          "  --batch-sizes LIST     global batch sizes to try (default 1,2,4,8)\n"
+          "  --images N             images per sample (default 1)\n"
+          "  --text-tokens N        text tokens per sample besides the image's (default 64)\n"
+          "  --targets N            answer tokens with a loss per sample (default 32)\n"
+          "  --precision P          bf16 (default) or fp32\n"
+          "  --no-checkpointing     without activation checkpointing\n"
+          "  --conventions C        dhp (default): dhp's runtime; reference: the published systems'\n"
+          "                         (dhp and tp as the Ray reference, zero3 as DeepSpeed under HF Trainer)\n"
+          "  --strategies LIST      named strategies to report (default dhp,tp,zero3)\n"
+          "  --memory-per-device S  usable memory per device instead of the cluster's (e.g. 700MiB)\n"
+          "  --top K                best plans kept per length in the JSON (default 3)\n"
+          "  --json FILE            also write every figure as JSON\n"
+          "  --calibrate            measure this machine (GEMM, element-wise bandwidth, op overhead,\n"
+          "                         attention, Gloo all-reduce) and save it for --cluster localxN\n"
+          "  --ranks N, --threads N ranks measured at once and intra-op threads each (default 2, 1)\n"
+          "  --out FILE             where --calibrate writes (default runs/plan/local-xN.json)\n");
+      return 0;
+    } else if (f == "--model") {
+      model = next();
+    } else if (f == "--config") {
+      config = next();
+    } else if (f == "--set") {
+      sets.push_back(next());
+    } else if (f == "--cluster") {
+      cluster = next();
+    } else if (f == "--vision-tokens") {
+      o.vision_tokens = parse_int_list(f, next());
+    } else if (f == "--batch-sizes") {
+      o.batch_sizes = parse_int_list(f, next());
+    } else if (f == "--images") {
+      o.workload.images_per_sample = parse_int(f, next());
+    } else if (f == "--text-tokens") {
+      o.workload.text_tokens = parse_int(f, next());
+    } else if (f == "--targets") {
+      o.workload.target_tokens = parse_int(f, next());
+    } else if (f == "--precision") {
+      o.workload.precision = next();
+      DHP_CHECK(o.workload.precision == "bf16" || o.workload.precision == "fp32", "--precision must be bf16 or fp32, got '",
+                o.workload.precision, "'");
+    } else if (f == "--no-checkpointing") {
+      o.workload.checkpointing = false;
+    } else if (f == "--conventions") {
+      o.conventions = next();
+      DHP_CHECK(o.conventions == "dhp" || o.conventions == "reference", "--conventions must be dhp or reference, got '",
+                o.conventions, "'");
+    } else if (f == "--strategies") {
+      o.strategies.clear();
+      std::stringstream ss(next());
+      for (std::string x; std::getline(ss, x, ',');)
+        if (!x.empty()) o.strategies.push_back(x);
+    } else if (f == "--memory-per-device") {
+      memory = next();
+    } else if (f == "--top") {
+      o.top = parse_int(f, next());
+    } else if (f == "--json") {
+      json = next();
+    } else if (f == "--calibrate") {
+      calibrate = true;
+    } else if (f == "--ranks") {
+      co.ranks = parse_int(f, next());
+    } else if (f == "--threads") {
+      co.threads = parse_int(f, next());
+    } else if (f == "--out") {
+      co.out = next();
+    } else {
+      DHP_FAIL("unknown option '", flags.raw(), "' (see dhp plan --help)");
+    }
+  }
+  if (calibrate) {
+    dhp::plan::calibrate_local(co);
+    return 0;
+  }
+  DHP_CHECK(o.workload.images_per_sample >= 1 && o.workload.text_tokens >= 0 && o.workload.target_tokens >= 1 &&
+                o.workload.target_tokens <= o.workload.text_tokens,
+            "need --images >= 1 and 1 <= --targets <= --text-tokens");
+  for (auto b : o.batch_sizes) DHP_CHECK(b >= 1, "--batch-sizes must be >= 1, got ", b);
+  for (const auto& s : o.strategies) dhp::plan::named_plan(s, 1);  // names checked before the work
+  dhp::qwen::ModelConfig m;
+  std::string model_name = model;
+  if (!config.empty() || !sets.empty()) {
+    const auto cfg = dhp::load_config(config, sets);
+    m = cfg.model.config;
+    model_name = cfg.model.preset;
+  } else {
+    m = dhp::qwen::preset(model);
+  }
+  auto c = dhp::plan::cluster_preset(cluster);
+  if (!memory.empty()) {
+    c.memory_bytes = static_cast<double>(dhp::parse_bytes(memory, "--memory-per-device"));
+    c.reserved_bytes = 0;
+  }
+  const auto points = dhp::plan::study(m, c, o);
+  std::printf("%s", dhp::plan::study_table(model_name, c, o, points).c_str());
+  if (!json.empty()) {
+    std::ofstream f(json);
+    DHP_CHECK(f.good(), "cannot write --json ", json);
+    f << dhp::plan::study_json(model_name, c, o, points);
+    DHP_CHECK(f.good(), "writing ", json, " failed");
+    std::printf("\nwrote %s\n", json.c_str());
+  }
+  return 0;
+}
+
 void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {
   const auto p = dhp::qwen::count_parameters(c);
   auto human = [](int64_t n) {
@@ -656,6 +791,7 @@ int main(int argc, char** argv) {
     }
     const std::map<std::string, std::function<int(int, char**, int)>> cmds = {
         {"train", cmd_train}, {"convert", cmd_convert}, {"tokenize", cmd_tokenize}, {"data", cmd_data}, {"params", cmd_params}, {"config", cmd_config}, {"bench", cmd_bench},
+        {"plan", cmd_plan},
         {"forward", cmd_forward}};
     auto it = cmds.find(cmd);
     if (it == cmds.end()) {

@@ -1,0 +1,242 @@
+#include "dhp/plan/calibrate.h"
+
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "dhp/core/error.h"
+#include "dhp/core/log.h"
+#include "dhp/core/machine.h"
+#include "dhp/dist/comm.h"
+#include "dhp/io/json.h"
+#include "dhp/nn/attention.h"
+
+namespace dhp::plan {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Runs fn on `ranks` threads at once (the ranks of a job share the cores); returns the
+// median over ranks of the seconds each took.
+double concurrent(int64_t ranks, const std::function<double(int64_t)>& fn) {
+  std::vector<double> t(static_cast<size_t>(ranks));
+  std::vector<std::thread> th;
+  for (int64_t r = 0; r < ranks; ++r) th.emplace_back([&, r] { t[static_cast<size_t>(r)] = fn(r); });
+  for (auto& x : th) x.join();
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// Best of `reps` timings of fn.
+double best_of(int reps, const std::function<void()>& fn) {
+  fn();  // warm-up
+  double best = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    best = std::min(best, seconds_since(t0));
+  }
+  return best;
+}
+
+int64_t physical_memory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && size > 0 ? static_cast<int64_t>(pages) * size : 0;
+}
+
+}  // namespace
+
+std::string default_calibration_path(int64_t ranks) {
+  const char* env = std::getenv("DHP_CALIBRATION_DIR");
+  const std::string dir = env && *env ? env : "runs/plan";
+  return dir + "/local-x" + std::to_string(ranks) + ".json";
+}
+
+Cluster calibrate_local(const CalibrateOptions& o) {
+  DHP_CHECK(o.ranks >= 1 && o.threads >= 1, "calibration needs ranks >= 1 and threads >= 1");
+  torch::NoGradGuard no_grad;
+  const int old_threads = torch::get_num_threads();
+  torch::set_num_threads(static_cast<int>(o.threads));
+  auto say = [&](const std::string& s) {
+    if (!o.quiet) log_info("calibrate: " + s);
+  };
+  Cluster c;
+  c.name = "local";
+  c.device = "CPU (" + std::to_string(std::thread::hardware_concurrency()) + " threads), " + blas_description();
+  c.devices_per_node = o.ranks;
+  c.nodes = 1;
+  c.memory_bytes = static_cast<double>(physical_memory()) / static_cast<double>(o.ranks);
+  c.reserved_bytes = 0;
+  c.gemm_efficiency = 1;  // the measured rates are what is reached
+  c.hbm_efficiency = 1;
+  c.attention_efficiency = 1;
+  c.attention_tile = 1;   // dhp's CPU attention batches short segments densely
+  const int64_t R = o.ranks;
+  // GEMM rate per rank with every rank busy, at a shape the models' GEMMs reach.
+  for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    const int64_t n = 512;
+    const double secs = concurrent(R, [&](int64_t) {
+      auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
+      return best_of(5, [&] { (void)torch::matmul(a, b); });
+    });
+    const double rate = 2.0 * n * n * n / secs;
+    (dtype == torch::kFloat32 ? c.flops_fp32 : c.flops_bf16) = rate;
+    say(std::string(dtype == torch::kFloat32 ? "fp32" : "bf16") + " GEMM " + std::to_string(rate / 1e9) +
+        " GFLOP/s per rank");
+  }
+  // Element-wise bandwidth: y = a + b on 8M floats (read 2, write 1).
+  {
+    const int64_t n = 8 << 20;
+    const double secs = concurrent(R, [&](int64_t) {
+      auto a = torch::randn({n}), b = torch::randn({n});
+      return best_of(5, [&] { (void)(a + b); });
+    });
+    c.hbm_bandwidth = 3.0 * 4 * static_cast<double>(n) / secs;
+    say("element-wise " + std::to_string(c.hbm_bandwidth / 1e9) + " GB/s per rank");
+  }
+  // Fixed cost of one small op.
+  {
+    const double secs = concurrent(R, [&](int64_t) {
+      auto a = torch::ones({8}), b = torch::ones({8});
+      return best_of(3, [&] {
+        for (int i = 0; i < 200; ++i) (void)(a + b);
+      }) / 200;
+    });
+    c.launch_s = secs;
+    say("op overhead " + std::to_string(secs * 1e6) + " us");
+  }
+  // Attention forward + backward (bf16 in, fp32 math) of one 1024-token segment.
+  {
+    const int64_t S = 1024, H = 4, D = 64;
+    const double secs = concurrent(R, [&](int64_t) {
+      torch::AutoGradMode grad(true);
+      auto q = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
+      auto k = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
+      auto v = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
+      return best_of(3, [&] { nn::varlen_attention(q, k, v, {0, S}).sum().backward(); });
+    });
+    const double fwd_flops = 4.0 * S * S * D * H;
+    c.attention_flops = 3.5 * fwd_flops / secs;  // the model charges forward 1x + backward 2.5x
+    say("attention " + std::to_string(c.attention_flops / 1e9) + " GFLOP/s per rank");
+  }
+  // Collectives over loopback (Gloo): latency from a small all-reduce, bus bandwidth from 16 MB.
+  if (R > 1) {
+    auto store = dist::make_hash_store();
+    std::vector<double> small(static_cast<size_t>(R)), large(static_cast<size_t>(R));
+    std::vector<int64_t> ranks;
+    for (int64_t r = 0; r < R; ++r) ranks.push_back(r);
+    std::vector<std::thread> th;
+    std::mutex mu;
+    std::string error;
+    for (int64_t r = 0; r < R; ++r) {
+      th.emplace_back([&, r] {
+        try {
+          dist::Group g(store, "calibrate", ranks, r, std::chrono::milliseconds(60000));
+          auto s = torch::ones({256});
+          small[static_cast<size_t>(r)] = best_of(20, [&] { g.all_reduce_sum_(s); });
+          auto l = torch::ones({4 << 20});
+          large[static_cast<size_t>(r)] = best_of(3, [&] { g.all_reduce_sum_(l); });
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(mu);
+          error = e.what();
+        }
+      });
+    }
+    for (auto& x : th) x.join();
+    DHP_CHECK(error.empty(), "calibrating the collectives: ", error);
+    const double lat = *std::max_element(small.begin(), small.end());
+    const double big = *std::max_element(large.begin(), large.end());
+    const double bytes = 4.0 * (4 << 20);
+    c.intra.latency_s = lat;
+    c.intra.bus_bandwidth = 2.0 * static_cast<double>(R - 1) / static_cast<double>(R) * bytes / std::max(big - lat, 1e-9);
+    c.inter = c.intra;
+    say("all-reduce latency " + std::to_string(lat * 1e3) + " ms, bus bandwidth " +
+        std::to_string(c.intra.bus_bandwidth / 1e9) + " GB/s");
+  } else {
+    c.intra = c.inter = {1e12, 0};
+  }
+  c.source = "measured by dhp plan --calibrate with " + std::to_string(R) + " rank(s) x " + std::to_string(o.threads) +
+             " thread(s)";
+  torch::set_num_threads(old_threads);
+  const std::string path = o.out.empty() ? default_calibration_path(o.ranks) : o.out;
+  save_cluster(c, path);
+  say("saved " + path);
+  return c;
+}
+
+void save_cluster(const Cluster& c, const std::string& path) {
+  io::Json j = io::Json::object();
+  j.set("name", io::Json(c.name));
+  j.set("device", io::Json(c.device));
+  j.set("devices_per_node", io::Json(c.devices_per_node));
+  j.set("nodes", io::Json(c.nodes));
+  j.set("memory_bytes", io::Json(c.memory_bytes));
+  j.set("reserved_bytes", io::Json(c.reserved_bytes));
+  j.set("flops_bf16", io::Json(c.flops_bf16));
+  j.set("flops_fp32", io::Json(c.flops_fp32));
+  j.set("gemm_efficiency", io::Json(c.gemm_efficiency));
+  j.set("attention_efficiency", io::Json(c.attention_efficiency));
+  j.set("attention_flops", io::Json(c.attention_flops));
+  j.set("attention_tile", io::Json(c.attention_tile));
+  j.set("hbm_bandwidth", io::Json(c.hbm_bandwidth));
+  j.set("hbm_efficiency", io::Json(c.hbm_efficiency));
+  j.set("launch_s", io::Json(c.launch_s));
+  j.set("intra_bus_bandwidth", io::Json(c.intra.bus_bandwidth));
+  j.set("intra_latency_s", io::Json(c.intra.latency_s));
+  j.set("inter_bus_bandwidth", io::Json(c.inter.bus_bandwidth));
+  j.set("inter_latency_s", io::Json(c.inter.latency_s));
+  j.set("source", io::Json(c.source));
+  const std::filesystem::path p(path);
+  if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    DHP_CHECK(f.good(), "cannot write ", tmp);
+    f << j.dump(2) << "\n";
+    DHP_CHECK(f.good(), "writing ", tmp, " failed");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+Cluster load_local_cluster(const std::string& path) {
+  std::ifstream f(path);
+  DHP_CHECK(f.good(), "no calibration of this machine at ", path, "; run `dhp plan --calibrate --ranks N` first");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const auto j = io::Json::parse(ss.str(), path);
+  const std::string what = path;
+  auto num = [&](const char* k) { return j.at(k, what).number(what + " " + k); };
+  Cluster c;
+  c.name = j.at("name", what).str(what + " name");
+  c.device = j.at("device", what).str(what + " device");
+  c.devices_per_node = j.at("devices_per_node", what).integer(what + " devices_per_node");
+  c.nodes = j.at("nodes", what).integer(what + " nodes");
+  c.memory_bytes = num("memory_bytes");
+  c.reserved_bytes = num("reserved_bytes");
+  c.flops_bf16 = num("flops_bf16");
+  c.flops_fp32 = num("flops_fp32");
+  c.gemm_efficiency = num("gemm_efficiency");
+  c.attention_efficiency = num("attention_efficiency");
+  c.attention_flops = num("attention_flops");
+  c.attention_tile = j.at("attention_tile", what).integer(what + " attention_tile");
+  c.hbm_bandwidth = num("hbm_bandwidth");
+  c.hbm_efficiency = num("hbm_efficiency");
+  c.launch_s = num("launch_s");
+  c.intra = {num("intra_bus_bandwidth"), num("intra_latency_s")};
+  c.inter = {num("inter_bus_bandwidth"), num("inter_latency_s")};
+  c.source = j.at("source", what).str(what + " source");
+  DHP_CHECK(c.flops_bf16 > 0 && c.flops_fp32 > 0 && c.hbm_bandwidth > 0 && c.devices_per_node >= 1, path,
+            ": calibration figures must be positive; run `dhp plan --calibrate` again");
+  return c;
+}
+
+}  // namespace dhp::plan

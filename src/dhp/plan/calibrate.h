@@ -1,0 +1,31 @@
+// The `local` cluster: this machine's figures measured by short microbenchmarks (GEMM
+// FLOP/s, memory bandwidth, Gloo collectives over loopback), saved to a JSON file and
+// reused by the planner.
+#pragma once
+
+#include <string>
+
+#include "dhp/plan/cost_model.h"
+
+namespace dhp::plan {
+
+// Where the calibration for `ranks` ranks lives: $DHP_CALIBRATION_DIR (default runs/plan)
+// /local-x<ranks>.json.
+std::string default_calibration_path(int64_t ranks);
+
+struct CalibrateOptions {
+  std::string out;        // file to write (empty: default_calibration_path(ranks))
+  int64_t ranks = 2;      // ranks for the collective measurements (threads, loopback)
+  int64_t threads = 1;    // intra-op threads per rank (the trainer gives each rank cores / ranks)
+  bool quiet = false;
+};
+
+// Runs the microbenchmarks (about a minute), writes the file, returns the cluster.
+Cluster calibrate_local(const CalibrateOptions& o);
+
+// Reads a calibration file. Throws naming the file and what to run when it is missing or
+// malformed.
+Cluster load_local_cluster(const std::string& path);
+void save_cluster(const Cluster& c, const std::string& path);
+
+}  // namespace dhp::plan

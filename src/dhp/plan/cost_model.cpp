@@ -1,0 +1,700 @@
+#include "dhp/plan/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+#include "dhp/core/error.h"
+#include "dhp/models/qwen2_5_vl/vision.h"
+#include "dhp/plan/calibrate.h"
+
+namespace dhp::plan {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// The three data-centre presets; sources in docs/cost_model.md.
+Cluster h100() {
+  Cluster c;
+  c.device = "H100 SXM 80GB";
+  c.memory_bytes = 81559 * kMiB;   // nvidia-smi's total for the 80 GB part
+  c.reserved_bytes = 2 * kGiB;     // CUDA context, cuBLAS workspaces, NCCL buffers
+  c.flops_bf16 = 989e12;           // dense, datasheet
+  c.flops_fp32 = 67e12;            // non-tensor-core fp32, datasheet (PyTorch's default: no TF32 for matmuls)
+  c.gemm_efficiency = 0.75;
+  c.attention_efficiency = 0.35;   // FlashAttention-2 forward on H100 (FlashAttention-3 paper, fig. 5)
+  c.hbm_bandwidth = 3.35e12;
+  c.hbm_efficiency = 0.8;
+  c.launch_s = 4e-6;
+  c.intra = {370e9, 15e-6};        // NVLink 4: NCCL bus bandwidth for all-reduce / all-gather / all-to-all
+  c.inter = {45e9, 30e-6};         // 8x 400 Gb/s InfiniBand per node: ~50 GB/s per GPU, NCCL ~90%
+  c.source = "NVIDIA H100 SXM datasheet; NCCL bus bandwidth as the issue states; FA3 paper for FA2 on H100";
+  return c;
+}
+
+Cluster h200() {
+  Cluster c = h100();
+  c.device = "H200 SXM 141GB";
+  c.memory_bytes = 143771 * kMiB;  // nvidia-smi's total for the 141 GB part
+  c.hbm_bandwidth = 4.8e12;
+  c.source = "NVIDIA H200 datasheet (H100 compute and NVLink, 141 GB at 4.8 TB/s)";
+  return c;
+}
+
+Cluster a100() {
+  Cluster c;
+  c.device = "A100 SXM 80GB";
+  c.memory_bytes = 81920 * kMiB;
+  c.reserved_bytes = 2 * kGiB;
+  c.flops_bf16 = 312e12;
+  c.flops_fp32 = 19.5e12;
+  c.gemm_efficiency = 0.8;
+  c.attention_efficiency = 0.6;    // FlashAttention-2 paper: 50-73% of peak forward on A100
+  c.hbm_bandwidth = 2.039e12;
+  c.hbm_efficiency = 0.8;
+  c.launch_s = 4e-6;
+  c.intra = {230e9, 15e-6};        // NVLink 3, 600 GB/s total: NCCL all-reduce bus bandwidth ~230 GB/s
+  c.inter = {22e9, 30e-6};         // 8x 200 Gb/s HDR per node
+  c.source = "NVIDIA A100 datasheet; FA2 paper; NCCL bus bandwidth on DGX A100";
+  return c;
+}
+
+double ceil_div(double a, double b) { return std::ceil(a / b); }
+
+// Non-causal attention pairs a flash kernel computes for a segment of length L: whole tiles.
+double padded_pairs(double L, double tile) {
+  const double t = ceil_div(L, tile);
+  return t * t * tile * tile;
+}
+
+// Causal: the tiles on or below the diagonal.
+double padded_causal_pairs(double L, double tile) {
+  const double t = ceil_div(L, tile);
+  return t * (t + 1) / 2 * tile * tile;
+}
+
+// The link a group of n ranks crosses: inside a node when it fits in one.
+const Link& link_for(const Cluster& c, int64_t n) { return n <= c.devices_per_node ? c.intra : c.inter; }
+
+double elementwise_seconds(const Cluster& c, double bytes, double kernels) {
+  return bytes / (c.hbm_bandwidth * c.hbm_efficiency) + kernels * c.launch_s;
+}
+
+// Work of one module on one of its ranks, accumulated per micro-batch.
+struct Tally {
+  const Cluster& c;
+  const std::string& precision;
+  ModuleCost& cost;
+  double passes_gemm;  // forward + backward (2x) + recompute
+  double passes_fwd;   // forward passes (1 + recompute)
+  void gemm(double m, double n, double k) {
+    if (m <= 0 || n <= 0 || k <= 0) return;
+    cost.gemm_s += passes_gemm * gemm_seconds(c, precision, m, n, k);
+  }
+  // Element-wise bytes of one forward pass; backward moves twice as much.
+  void elementwise(double bytes, double kernels) {
+    cost.elementwise_s += (passes_fwd + 2) * elementwise_seconds(c, bytes, kernels);
+  }
+  void attention(double flops_fwd) {
+    const double rate = c.attention_flops > 0 ? c.attention_flops : c.flops(precision) * c.attention_efficiency;
+    const double s = flops_fwd / rate;
+    cost.attention_s += passes_fwd * s + 2.5 * s;  // FA2 backward: 2.5x the forward's matmul work
+  }
+  void collective(double seconds, double bytes, int64_t calls) {
+    cost.comm_s += seconds;
+    cost.comm_bytes += bytes;
+    cost.comm_calls += calls;
+  }
+};
+
+struct Shape {  // one module's per-rank view
+  int64_t t = 1;      // tensor-parallel split of the GEMMs / heads
+  int64_t share = 1;  // sequence split (sp) of the tokens
+  int64_t ranks = 1;  // ranks of the module
+  int64_t replicas = 1;
+};
+
+Shape shape_of(const ModuleStrategy& s) {
+  Shape sh;
+  sh.ranks = s.ranks();
+  if (s.kind == "tp") sh.t = s.degree;
+  if (s.kind == "sp") sh.share = s.degree;
+  sh.replicas = (s.kind == "zero3" || s.kind == "dp") ? s.ranks() : s.dp;
+  return sh;
+}
+
+double dtype_bytes(const std::string& precision) { return precision == "fp32" ? 4 : 2; }
+
+// Model states per rank of a module with `params` parameters (of which `sharded` follow the
+// tensor-parallel split), by strategy.
+double module_state_bytes(const Conventions& cv, const ModuleStrategy& s, double params, const std::string& precision) {
+  Conventions v = cv;
+  if (precision == "fp32") {  // fp32 training: the parameter is its own master
+    v.param_bytes = 4;
+    v.grad_bytes = 4;
+    v.optim_bytes = 8;
+  }
+  if (s.kind == "tp") return params / static_cast<double>(s.degree) * state_bytes_per_param(v, s.dp > 1 ? 1 : 0, s.dp);
+  if (s.kind == "sp") return params * state_bytes_per_param(v, 1, s.ranks());
+  if (s.kind == "zero3") return params * state_bytes_per_param(v, 3, s.ranks());
+  return params * state_bytes_per_param(v, 0, 1);
+}
+
+// Optimizer step: memory-bound over the parameters this rank updates (read gradient, master,
+// moments; write master, moments, parameter).
+double optimizer_seconds(const Cluster& c, const Conventions& cv, double params_updated) {
+  const double bytes = params_updated * (cv.grad_bytes + 2 * cv.optim_bytes + cv.param_bytes);
+  return elementwise_seconds(c, bytes, 8);
+}
+
+double params_updated(const ModuleStrategy& s, double params) {
+  if (s.kind == "tp") return params / static_cast<double>(s.degree) / (s.dp > 1 ? static_cast<double>(s.dp) : 1.0);
+  if (s.kind == "sp" || s.kind == "zero3") return params / static_cast<double>(s.ranks());
+  return params;
+}
+
+// Gradient synchronisation once per step (bf16/fp32 gradients).
+void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, double params, double gbytes) {
+  const int64_t n = s.ranks();
+  if (n <= 1) return;
+  const Link& l = link_for(c, n);
+  if (s.kind == "sp") {  // ZeRO-1: reduce-scatter the gradients, all-gather the updated parameters
+    const double b = params * gbytes;
+    tl.collective(2 * all_gather_seconds(l, n, b), 2 * b * (n - 1) / n, 2);
+  } else if (s.kind == "tp" && s.dp > 1) {
+    const double b = params / static_cast<double>(s.degree) * gbytes;
+    tl.collective(all_reduce_seconds(link_for(c, n), s.dp, b), 2 * b * (s.dp - 1) / s.dp, 1);
+  } else if (s.kind == "dp") {
+    const double b = params * gbytes;
+    tl.collective(all_reduce_seconds(l, n, b), 2 * b * (n - 1) / n, 1);
+  }
+}
+
+// ZeRO-3: every layer's parameters gathered for forward, recomputation and backward, its
+// gradients reduce-scattered, per micro-batch.
+void zero3_layer_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, double layer_params,
+                             double layers, double gbytes, bool checkpointing) {
+  const int64_t n = s.ranks();
+  if (s.kind != "zero3" || n <= 1) return;
+  const Link& l = link_for(c, n);
+  const double b = layer_params * gbytes;
+  const double gathers = checkpointing ? 3 : 2;
+  tl.collective(layers * (gathers + 1) * all_gather_seconds(l, n, b), layers * (gathers + 1) * b * (n - 1) / n,
+                static_cast<int64_t>(layers * (gathers + 1)));
+}
+
+std::string fmt_gib(double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f GiB", b / kGiB);
+  return buf;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Presets and conventions
+
+std::vector<std::string> cluster_preset_names() { return {"h100", "h200", "a100", "local"}; }  // xN: N devices
+
+Cluster cluster_preset(const std::string& spec) {
+  std::string base = spec;
+  int64_t n = 8;
+  const auto x = spec.find('x');
+  if (spec == "local") n = 1;
+  if (x != std::string::npos) {
+    base = spec.substr(0, x);
+    const std::string count = spec.substr(x + 1);
+    DHP_CHECK(!count.empty() && count.find_first_not_of("0123456789") == std::string::npos,
+              "cluster '", spec, "': the device count after 'x' must be a number (e.g. h100x8)");
+    n = std::stoll(count);
+    DHP_CHECK(n >= 1, "cluster '", spec, "': needs at least one device");
+  }
+  Cluster c;
+  if (base == "h100") c = h100();
+  else if (base == "h200") c = h200();
+  else if (base == "a100") c = a100();
+  else if (base == "local") {
+    c = load_local_cluster(default_calibration_path(n));
+    c.name = spec;
+    DHP_CHECK(c.devices() == n, default_calibration_path(n), " was measured with ", c.devices(), " ranks, not ", n);
+    return c;
+  }
+  else {
+    std::string names;
+    for (const auto& p : cluster_preset_names()) names += (names.empty() ? "" : ", ") + p;
+    DHP_FAIL("unknown cluster '", spec, "'; known: ", names, ", each optionally xN for N devices (e.g. h100x8, ",
+             "localx4: this machine as 4 ranks, from `dhp plan --calibrate --ranks 4`)");
+  }
+  c.name = spec;
+  c.devices_per_node = std::min<int64_t>(8, n);
+  c.nodes = (n + 7) / 8;
+  DHP_CHECK(n <= 8 || n % 8 == 0, "cluster '", spec, "': more than 8 devices come in whole nodes of 8");
+  return c;
+}
+
+Conventions conventions(const std::string& name) {
+  Conventions cv;
+  cv.name = name;
+  if (name == "dhp") return cv;  // bf16 params and grads, fp32 masters and moments; logits at targets
+  if (name == "reference") {
+    // The Ray system's DeepSpeed config: bf16 master weights, gradients and optimizer states.
+    cv.param_bytes = 2;
+    cv.grad_bytes = 2;
+    cv.optim_bytes = 4;  // Adam moments in bf16, no separate master
+    cv.logits_all_positions = true;
+    cv.logit_bytes = 12;  // bf16 logits, fp32 log-softmax saved, fp32 gradient
+    cv.vision_fused_qkv = false;  // its vision attention has q_proj, k_proj, v_proj (each column-parallel)
+    return cv;
+  }
+  if (name == "deepspeed") {
+    // Qwen-VL's ZeRO-3 fine-tuning (HF Trainer + DeepSpeed, bf16): ZeRO's mixed-precision
+    // Adam, 2 + 2 + K=12 bytes per parameter, all partitioned.
+    cv.param_bytes = 2;
+    cv.grad_bytes = 2;
+    cv.optim_bytes = 12;
+    cv.logits_all_positions = true;
+    cv.logit_bytes = 12;
+    cv.zero3_live_params = 1e9;        // stage3_max_live_parameters default
+    cv.zero3_bucket_bytes = 5e8 * 2;   // reduce_bucket_size default (elements), bf16
+    return cv;
+  }
+  DHP_FAIL("unknown conventions '", name, "'; known: dhp, reference, deepspeed");
+}
+
+// ---------------------------------------------------------------------------------------
+// Formulas
+
+std::pair<int64_t, int64_t> Workload::grid() const {
+  DHP_CHECK(vision_tokens >= 4 && vision_tokens % 4 == 0, "vision tokens per image must be a positive multiple of 4 ",
+            "(2x2 merge), got ", vision_tokens);
+  // The squarest grid with even sides: h = largest even divisor <= sqrt.
+  const int64_t units = vision_tokens / 4;
+  int64_t best = 1;
+  for (int64_t a = 1; a * a <= units; ++a) {
+    if (units % a == 0) best = a;
+  }
+  return {2 * best, 2 * (units / best)};
+}
+
+int64_t Workload::tokens_per_sample(int64_t merge) const {
+  return images_per_sample * vision_tokens / (merge * merge) + text_tokens;
+}
+
+std::string ModuleStrategy::describe() const {
+  std::ostringstream os;
+  os << kind;
+  if (kind == "sp" || kind == "tp") os << degree;
+  if (kind == "zero3" || kind == "dp") os << "(" << ranks() << ")";
+  else if (dp > 1) os << "xdp" << dp;
+  return os.str();
+}
+
+std::string Plan::describe() const {
+  return "vision " + vision.describe() + " | text " + text.describe() + (disjoint ? " (disjoint)" : "");
+}
+
+Plan named_plan(const std::string& name, int64_t devices) {
+  Plan p;
+  p.name = name;
+  if (name == "dhp") {
+    p.vision = {"sp", devices, 1};
+    p.text = {"tp", devices, 1};
+  } else if (name == "tp") {
+    p.vision = {"tp", devices, 1};
+    p.text = {"tp", devices, 1};
+  } else if (name == "zero3") {
+    p.vision = {"zero3", 1, devices};
+    p.text = {"zero3", 1, devices};
+  } else {
+    DHP_FAIL("unknown named plan '", name, "'; known: dhp, tp, zero3");
+  }
+  return p;
+}
+
+int64_t vision_block_params(const qwen::VisionConfig& v) {
+  const int64_t h = v.hidden_size, I = v.intermediate_size;
+  return 2 * h                       // two RMSNorm weights
+         + h * 3 * h + 3 * h         // qkv with bias
+         + h * h + h                 // proj with bias
+         + 2 * (h * I + I) + I * h + h;  // gate, up, down with biases
+}
+
+int64_t text_layer_params(const qwen::TextConfig& t) {
+  const int64_t h = t.hidden_size, kv = t.num_kv_heads * t.head_dim(), I = t.intermediate_size;
+  return 2 * h                           // input and post-attention RMSNorm
+         + h * h + h + 2 * (h * kv + kv)  // q, k, v with biases
+         + h * h                          // o without bias
+         + 3 * h * I;                     // gate, up, down
+}
+
+double state_bytes_per_param(const Conventions& cv, int64_t zero_stage, int64_t n) {
+  DHP_CHECK(zero_stage >= 0 && zero_stage <= 3 && n >= 1, "ZeRO stage ", zero_stage, " over ", n, " ranks");
+  const double N = static_cast<double>(n);
+  switch (zero_stage) {
+    case 0: return cv.param_bytes + cv.grad_bytes + cv.optim_bytes;
+    case 1: return cv.param_bytes + cv.grad_bytes + cv.optim_bytes / N;
+    case 2: return cv.param_bytes + (cv.grad_bytes + cv.optim_bytes) / N;
+    default: return (cv.param_bytes + cv.grad_bytes + cv.optim_bytes) / N;
+  }
+}
+
+double gemm_seconds(const Cluster& c, const std::string& precision, double m, double n, double k) {
+  const double b = dtype_bytes(precision);
+  const double compute = 2 * m * n * k / (c.flops(precision) * c.gemm_efficiency);
+  const double memory = b * (m * k + k * n + m * n) / (c.hbm_bandwidth * c.hbm_efficiency);
+  return std::max(compute, memory) + c.launch_s;
+}
+
+double all_reduce_seconds(const Link& l, int64_t n, double bytes) {
+  if (n <= 1) return 0;
+  return l.latency_s + 2.0 * static_cast<double>(n - 1) / static_cast<double>(n) * bytes / l.bus_bandwidth;
+}
+
+double all_gather_seconds(const Link& l, int64_t n, double bytes) {
+  if (n <= 1) return 0;
+  return l.latency_s + static_cast<double>(n - 1) / static_cast<double>(n) * bytes / l.bus_bandwidth;
+}
+
+double all_to_all_seconds(const Link& l, int64_t n, double bytes) { return all_gather_seconds(l, n, bytes); }
+
+double vision_image_flops(const qwen::VisionConfig& v, int64_t gh, int64_t gw) {
+  std::vector<int64_t> index, cu;
+  qwen::window_index({{1, gh, gw}}, v, index, cu);
+  const double N = static_cast<double>(gh * gw), h = static_cast<double>(v.hidden_size);
+  const double I = static_cast<double>(v.intermediate_size);
+  double window_pairs = 0;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) window_pairs += std::pow(static_cast<double>(cu[i + 1] - cu[i]), 2);
+  const std::set<int64_t> full(v.fullatt_block_indexes.begin(), v.fullatt_block_indexes.end());
+  double f = 2 * N * static_cast<double>(v.patch_dim()) * h;
+  for (int64_t l = 0; l < v.depth; ++l) {
+    f += 2 * N * h * (4 * h + 3 * I) + 4 * h * (full.count(l) ? N * N : window_pairs);
+  }
+  const double unit = static_cast<double>(v.spatial_merge_size * v.spatial_merge_size);
+  f += 2 * (N / unit) * (unit * h) * (unit * h + static_cast<double>(v.out_hidden_size));
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------
+// The estimate
+
+namespace {
+
+// Vision tower on one rank, whole step.
+ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const Workload& w, const ModuleStrategy& s,
+                       const Conventions& cv, std::string& why) {
+  ModuleCost cost;
+  const auto& v = model.vision;
+  const Shape sh = shape_of(s);
+  const auto [gh, gw] = w.grid();
+  const double N = static_cast<double>(gh * gw), h = static_cast<double>(v.hidden_size);
+  const double I = static_cast<double>(v.intermediate_size), out = static_cast<double>(v.out_hidden_size);
+  const double unit = static_cast<double>(v.spatial_merge_size * v.spatial_merge_size);
+  const double hd = static_cast<double>(v.head_dim()), heads = static_cast<double>(v.num_heads);
+  const double b = dtype_bytes(w.precision);
+  const int64_t images_step = w.batch_size * w.images_per_sample;
+  const double images_mb = static_cast<double>(images_step) / static_cast<double>(w.micro_batches) /
+                           static_cast<double>(sh.replicas);  // per replica and micro-batch
+  if (static_cast<double>(w.batch_size) / static_cast<double>(w.micro_batches) < static_cast<double>(sh.replicas)) {
+    why = "vision " + s.describe() + ": " + std::to_string(sh.replicas) + " replicas need as many samples per micro-batch";
+    return cost;
+  }
+  std::vector<int64_t> index, cu;
+  qwen::window_index({{1, gh, gw}}, v, index, cu);
+  const double windows = static_cast<double>(cu.size() - 1);
+  if (s.kind == "sp" && windows * images_mb < static_cast<double>(s.degree)) {
+    why = "vision sp" + std::to_string(s.degree) + ": only " + std::to_string(static_cast<int64_t>(windows * images_mb)) +
+          " attention windows per replica and micro-batch to split";
+    return cost;
+  }
+  const double M = images_mb * N / static_cast<double>(sh.share);  // patch rows on this rank
+  const double t = static_cast<double>(sh.t);
+  Tally tl{c, w.precision, cost, w.checkpointing ? 4.0 : 3.0, w.checkpointing ? 2.0 : 1.0};
+  const double tile = static_cast<double>(c.attention_tile);
+  double window_padded = 0;
+  for (size_t i = 0; i + 1 < cu.size(); ++i) window_padded += padded_pairs(static_cast<double>(cu[i + 1] - cu[i]), tile);
+  const std::set<int64_t> full(v.fullatt_block_indexes.begin(), v.fullatt_block_indexes.end());
+  const double attn_share = static_cast<double>(sh.t * sh.share);  // heads (tp, sp) or windows (sp) split
+  for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
+    tl.gemm(M, h, static_cast<double>(v.patch_dim()));  // patch embedding
+    for (int64_t l = 0; l < v.depth; ++l) {
+      if (cv.vision_fused_qkv) {
+        tl.gemm(M, 3 * h / t, h);
+      } else {
+        for (int i = 0; i < 3; ++i) tl.gemm(M, h / t, h);
+      }
+      tl.gemm(M, h, h / t);
+      tl.gemm(M, I / t, h);
+      tl.gemm(M, I / t, h);
+      tl.gemm(M, h, I / t);
+      const double pairs = full.count(l) ? padded_pairs(N, tile) : window_padded;
+      tl.attention(4 * hd * heads * pairs * images_mb / attn_share);
+      // Norms and residuals (10h per token) run on every tensor-parallel rank; rotary (4h) and
+      // the SwiGLU product (3I) are split.
+      tl.elementwise(b * M * (10 * h + (4 * h + 3 * I) / t), 12);
+      if (s.kind == "tp") {  // row-parallel outputs forward (and recomputed), each column-parallel input grad backward
+        const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, b * M * h);
+        const int64_t calls = (w.checkpointing ? 4 : 2) + (cv.vision_fused_qkv ? 3 : 5);
+        tl.collective(calls * ar, calls * 2 * b * M * h * (t - 1) / t, calls);
+      }
+      if (s.kind == "sp" && full.count(l)) {  // q, k, v to heads and the output back, each pass
+        const double a2a = all_to_all_seconds(link_for(c, s.degree), s.degree, b * M * h);
+        const int64_t calls = 4 * (w.checkpointing ? 3 : 2);
+        tl.collective(calls * a2a, calls * b * M * h * (s.degree - 1) / s.degree, calls);
+      }
+    }
+    // Merger: norm, fc1 (4h -> 4h), GELU, fc2 (4h -> out).
+    tl.elementwise(b * M * h * 2 + b * M / unit * unit * h * 3 / t, 4);
+    tl.gemm(M / unit, unit * h / t, unit * h);
+    tl.gemm(M / unit, out, unit * h / t);
+    if (s.kind == "tp") {
+      const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, b * M / unit * out);
+      tl.collective((w.checkpointing ? 3 : 2) * ar, 0, w.checkpointing ? 3 : 2);
+    }
+    zero3_layer_collectives(tl, c, s, static_cast<double>(vision_block_params(v)), static_cast<double>(v.depth), b,
+                            w.checkpointing);
+  }
+  const auto pc = static_cast<double>(qwen::count_parameters(model).vision);
+  step_collectives(tl, c, s, pc, b);
+  cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
+  cost.flops = 3 * vision_image_flops(v, gh, gw) * static_cast<double>(images_step);
+  // Memory.
+  cost.state_bytes = module_state_bytes(cv, s, pc, w.precision);
+  const double per_token_layer = b * (4 * h + (2 * h + 2 * h + 3 * I) / t);  // one block's saved tensors
+  const double rows = M;  // one micro-batch's rows are alive at a time
+  cost.activation_bytes = w.checkpointing ? b * rows * h * static_cast<double>(v.depth + 1)
+                                          : per_token_layer * rows * static_cast<double>(v.depth);
+  cost.working_bytes = 2 * per_token_layer * rows;  // a block's tensors and their gradients in backward
+  if (s.kind == "zero3") {
+    cost.gathered_bytes = cv.zero3_live_params > 0 ? std::min(cv.zero3_live_params, pc) * b + cv.zero3_bucket_bytes
+                                                   : 2 * static_cast<double>(vision_block_params(v)) * b;
+  }
+  return cost;
+}
+
+// Text decoder on one rank, whole step.
+ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const ModuleStrategy& s,
+                     const Conventions& cv, std::string& why) {
+  ModuleCost cost;
+  const auto& tc = m.text;
+  const Shape sh = shape_of(s);
+  const double h = static_cast<double>(tc.hidden_size), I = static_cast<double>(tc.intermediate_size);
+  const double kv = static_cast<double>(tc.num_kv_heads * tc.head_dim()), V = static_cast<double>(tc.vocab_size);
+  const double hd = static_cast<double>(tc.head_dim()), heads = static_cast<double>(tc.num_heads);
+  const double b = dtype_bytes(w.precision);
+  const double samples_mb = static_cast<double>(w.batch_size) / static_cast<double>(w.micro_batches) /
+                            static_cast<double>(sh.replicas);
+  if (samples_mb < 1) {
+    why = "text " + s.describe() + ": " + std::to_string(sh.replicas) + " replicas need as many samples per micro-batch";
+    return cost;
+  }
+  const double L = static_cast<double>(w.tokens_per_sample(m.vision.spatial_merge_size));
+  const double M = samples_mb * L;
+  const double targets = samples_mb * static_cast<double>(w.target_tokens);
+  const double logit_rows = cv.logits_all_positions ? M : targets;
+  const double t = static_cast<double>(sh.t);
+  Tally tl{c, w.precision, cost, w.checkpointing ? 4.0 : 3.0, w.checkpointing ? 2.0 : 1.0};
+  const double tile = static_cast<double>(c.attention_tile);
+  const double layers = static_cast<double>(tc.num_layers);
+  const Link& tl_link = link_for(c, sh.t);
+  for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
+    tl.elementwise(b * M * h * 2, 1);  // embedding lookup
+    if (s.kind == "tp") {
+      tl.collective(all_reduce_seconds(tl_link, sh.t, b * M * h), 2 * b * M * h * (t - 1) / t, 1);
+    }
+    for (int64_t l = 0; l < tc.num_layers; ++l) {
+      tl.gemm(M, h / t, h);  // q, k, v: separate linears (HF's text attention)
+      tl.gemm(M, kv / t, h);
+      tl.gemm(M, kv / t, h);
+      tl.gemm(M, h, h / t);
+      tl.gemm(M, I / t, h);
+      tl.gemm(M, I / t, h);
+      tl.gemm(M, h, I / t);
+      tl.attention(4 * hd * heads / t * samples_mb * padded_causal_pairs(L, tile));
+      tl.elementwise(b * M * (10 * h + (2 * h + 2 * kv + 3 * I) / t), 12);
+      if (s.kind == "tp") {  // o and down forward (and recomputed); q, k, v, gate, up input grads backward
+        const double ar = all_reduce_seconds(tl_link, sh.t, b * M * h);
+        const int64_t calls = (w.checkpointing ? 4 : 2) + 5;
+        tl.collective(calls * ar, calls * 2 * b * M * h * (t - 1) / t, calls);
+      }
+    }
+    // Final norm, lm_head (vocabulary split under tp), softmax cross-entropy in fp32.
+    tl.elementwise(b * M * h * 2, 2);
+    cost.gemm_s += 3 * gemm_seconds(c, w.precision, logit_rows, V / t, h);  // not recomputed
+    cost.elementwise_s += 3 * elementwise_seconds(c, 4 * logit_rows * V / t * 3, 6);
+    if (s.kind == "tp") {
+      tl.collective(3 * all_reduce_seconds(tl_link, sh.t, 8 * logit_rows) +
+                        all_reduce_seconds(tl_link, sh.t, b * logit_rows * h),
+                    2 * b * logit_rows * h * (t - 1) / t, 4);
+    }
+    zero3_layer_collectives(tl, c, s, static_cast<double>(text_layer_params(tc)), layers, b, w.checkpointing);
+    if (s.kind == "zero3") {  // embeddings and lm_head gathered too
+      const Link& l = link_for(c, s.ranks());
+      const double eb = V * h * b * (tc.tie_word_embeddings ? 1 : 2);
+      tl.collective(3 * all_gather_seconds(l, s.ranks(), eb), 3 * eb, 3);
+    }
+  }
+  const auto pc = static_cast<double>(qwen::count_parameters(m).text);
+  step_collectives(tl, c, s, pc, b);
+  cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
+  const double per_layer_flops = 2 * L * (h * h + 2 * h * kv + h * h + 3 * h * I) + 4 * h * L * (L + 1) / 2;
+  cost.flops = 3 * static_cast<double>(w.batch_size) *
+               (layers * per_layer_flops + 2 * (cv.logits_all_positions ? L : static_cast<double>(w.target_tokens)) * h * V);
+  // Memory.
+  cost.state_bytes = module_state_bytes(cv, s, pc, w.precision);
+  const double per_token_layer = b * (4 * h + (2 * h + 2 * kv + 3 * I) / t);
+  cost.activation_bytes = w.checkpointing ? b * M * h * (layers + 1) : per_token_layer * M * layers;
+  cost.working_bytes = 2 * per_token_layer * M;
+  cost.logits_bytes = cv.logit_bytes * logit_rows * V / t;
+  if (s.kind == "zero3") {
+    cost.gathered_bytes = cv.zero3_live_params > 0 ? std::min(cv.zero3_live_params, pc) * b + cv.zero3_bucket_bytes
+                                                   : 2 * static_cast<double>(text_layer_params(tc)) * b;
+  }
+  return cost;
+}
+
+bool divides(int64_t d, int64_t n) { return d >= 1 && n % d == 0; }
+
+}  // namespace
+
+Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const Plan& plan) {
+  Estimate e;
+  e.plan = plan;
+  e.workload = w;
+  e.capacity_bytes = c.memory_bytes - c.reserved_bytes;
+  const auto fail = [&](const std::string& why) {
+    e.fits = false;
+    e.reason = why;
+    return e;
+  };
+  const int64_t G = c.devices();
+  const auto& vs = plan.vision;
+  const auto& ts = plan.text;
+  if (plan.disjoint) {
+    if (vs.ranks() + ts.ranks() > G) return fail("needs " + std::to_string(vs.ranks() + ts.ranks()) + " devices, the cluster has " + std::to_string(G));
+  } else if (vs.ranks() > G || ts.ranks() > G) {
+    return fail("needs " + std::to_string(std::max(vs.ranks(), ts.ranks())) + " devices, the cluster has " +
+                std::to_string(G));
+  }
+  if (w.batch_size % w.micro_batches != 0) return fail("batch not divisible into micro-batches");
+  const auto& v = m.vision;
+  if ((vs.kind == "tp" || vs.kind == "sp") && !divides(vs.degree, v.num_heads)) {
+    return fail("vision " + vs.describe() + ": " + std::to_string(v.num_heads) + " heads do not split " +
+                std::to_string(vs.degree) + " ways");
+  }
+  if (ts.kind == "tp" && (!divides(ts.degree, m.text.num_heads) || !divides(ts.degree, m.text.num_kv_heads))) {
+    return fail("text " + ts.describe() + ": " + std::to_string(m.text.num_heads) + " heads / " +
+                std::to_string(m.text.num_kv_heads) + " kv heads do not split " + std::to_string(ts.degree) + " ways");
+  }
+  const Conventions cv = conventions(plan.conventions);
+  std::string why;
+  e.vision = vision_cost(m, c, w, vs, cv, why);
+  if (!why.empty()) return fail(why);
+  e.text = text_cost(m, c, w, ts, cv, why);
+  if (!why.empty()) return fail(why);
+  // Embeddings (and their gradients) between the groups.
+  const double b = dtype_bytes(w.precision);
+  const double emb = b * static_cast<double>(w.batch_size * w.images_per_sample) * static_cast<double>(w.vision_tokens) /
+                     static_cast<double>(v.spatial_merge_size * v.spatial_merge_size) * static_cast<double>(v.out_hidden_size);
+  if (plan.disjoint) {
+    const Link& l = link_for(c, G);
+    e.redistribute_s = 2 * (l.latency_s + emb / static_cast<double>(std::max<int64_t>(1, std::min(vs.ranks(), ts.ranks()))) /
+                                              l.bus_bandwidth);
+  } else if (vs.kind == "sp" && ts.kind != "zero3" && ts.kind != "dp") {
+    // Sequence-split embeddings gathered to every text rank; gradients sliced locally.
+    e.redistribute_s = all_gather_seconds(link_for(c, vs.ranks()), vs.ranks(), emb / static_cast<double>(vs.dp));
+  }
+  const double tv = e.vision.time_s(), tt = e.text.time_s();
+  if (plan.disjoint) {
+    const double mbs = static_cast<double>(w.micro_batches);
+    e.step_s = std::max(tv, tt) + std::min(tv, tt) / mbs + e.redistribute_s;
+    e.memory_bytes = std::max(e.vision.memory_bytes(), e.text.memory_bytes());
+  } else {
+    e.step_s = tv + tt + e.redistribute_s;
+    // The text's logits and working set come after the vision's are freed; stored
+    // activations of both are alive together.
+    e.memory_bytes = e.vision.state_bytes + e.text.state_bytes + e.vision.activation_bytes + e.text.activation_bytes +
+                     std::max({e.vision.working_bytes + e.vision.gathered_bytes,
+                               e.text.working_bytes + e.text.gathered_bytes + e.text.logits_bytes});
+  }
+  e.throughput = static_cast<double>(w.vision_tokens * w.batch_size * w.images_per_sample) / e.step_s;
+  e.fits = e.memory_bytes <= e.capacity_bytes;
+  if (!e.fits) e.reason = "out of memory: " + fmt_gib(e.memory_bytes) + " > " + fmt_gib(e.capacity_bytes) + " usable";
+  return e;
+}
+
+std::vector<Plan> candidate_plans(const qwen::ModelConfig& m, const Cluster& c, const std::string& conv) {
+  const int64_t G = c.devices();
+  auto module_options = [&](int64_t n, bool vision) {
+    std::vector<ModuleStrategy> out;
+    if (n == 1) {
+      out.push_back({"none", 1, 1});
+      return out;
+    }
+    for (int64_t d = 2; d <= n; ++d) {
+      if (n % d) continue;
+      if (vision) out.push_back({"sp", d, n / d});
+      out.push_back({"tp", d, n / d});
+    }
+    out.push_back({"zero3", 1, n});
+    out.push_back({"dp", 1, n});
+    (void)m;
+    return out;
+  };
+  std::vector<Plan> plans;
+  for (const auto& vs : module_options(G, true)) {
+    for (const auto& ts : module_options(G, false)) {
+      Plan p;
+      p.vision = vs;
+      p.text = ts;
+      p.conventions = conv;
+      p.name = p.describe();
+      plans.push_back(p);
+    }
+  }
+  for (int64_t gv = 1; gv < G; ++gv) {
+    for (const auto& vs : module_options(gv, true)) {
+      for (const auto& ts : module_options(G - gv, false)) {
+        Plan p;
+        p.vision = vs;
+        p.text = ts;
+        p.disjoint = true;
+        p.conventions = conv;
+        p.name = p.describe();
+        plans.push_back(p);
+      }
+    }
+  }
+  return plans;
+}
+
+std::vector<Estimate> search(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const std::string& conv,
+                             std::vector<Estimate>* rejected) {
+  std::vector<Estimate> ok;
+  for (const auto& p : candidate_plans(m, c, conv)) {
+    Estimate best;
+    bool have = false;
+    Estimate last_bad;
+    for (int64_t mbs = 1; mbs <= w.batch_size; mbs *= 2) {
+      if (w.batch_size % mbs) continue;
+      if (!p.disjoint && mbs > 1) break;  // colocated: micro-batches only cost time (no overlap to gain)
+      Workload wm = w;
+      wm.micro_batches = mbs;
+      auto e = estimate(m, c, wm, p);
+      if (e.fits && (!have || e.step_s < best.step_s)) {
+        best = e;
+        have = true;
+      } else if (!e.fits) {
+        last_bad = e;
+      }
+    }
+    if (have) ok.push_back(best);
+    else if (rejected) rejected->push_back(last_bad);
+  }
+  std::sort(ok.begin(), ok.end(), [](const Estimate& a, const Estimate& b) { return a.step_s < b.step_s; });
+  return ok;
+}
+
+}  // namespace dhp::plan

@@ -1,0 +1,164 @@
+// The planner's cost model: step time and memory per device of a training step of a
+// Qwen2.5-VL model under a parallel plan (a strategy per module, their placement), on a
+// described cluster, for a described workload. Every formula and every constant's source
+// is in docs/cost_model.md; nothing here is fitted to a measured step time.
+//
+// Time: each module's forward, recomputation (activation checkpointing) and backward are
+// summed per layer from its GEMMs (a roofline per GEMM shape: compute- or memory-bound,
+// plus a launch cost), its flash attention (tile-padded segments), its element-wise
+// passes (memory-bound; replicated on every tensor-parallel rank) and its collectives
+// (ring formulas on the bus bandwidth of the link they cross, plus a latency per call).
+// Memory: model states by precision and ZeRO stage, stored activations (layer inputs under
+// checkpointing, or everything without), one layer's working set, the logits, the
+// ZeRO-3 gathered parameters, and a fixed reserve per device.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dhp/models/qwen2_5_vl/config.h"
+
+namespace dhp::plan {
+
+// A link's collective performance: NCCL-style bus bandwidth (bytes/s) and a latency per call.
+struct Link {
+  double bus_bandwidth = 0;
+  double latency_s = 0;
+};
+
+struct Cluster {
+  std::string name;                 // as asked for, e.g. h100x8
+  std::string device;               // e.g. "H100 SXM 80GB"
+  int64_t devices_per_node = 8;
+  int64_t nodes = 1;
+  double memory_bytes = 0;          // per device, as the driver reports it
+  double reserved_bytes = 0;        // per device, not available to tensors (context, comm buffers)
+  double flops_bf16 = 0;            // dense peak per device, FLOP/s
+  double flops_fp32 = 0;
+  double gemm_efficiency = 0;       // fraction of peak a large GEMM reaches
+  double attention_efficiency = 0;  // fraction of peak the flash-attention forward reaches
+  double attention_flops = 0;       // measured attention FLOP/s (local); 0: flops x attention_efficiency
+  int64_t attention_tile = 128;     // query/key tile of the attention kernel (segments pad to it)
+  double hbm_bandwidth = 0;         // bytes/s per device
+  double hbm_efficiency = 0;        // fraction reached by element-wise kernels
+  double launch_s = 0;              // fixed cost per kernel
+  Link intra, inter;                // inside a node, across nodes
+  std::string source;               // where the numbers come from
+  int64_t devices() const { return devices_per_node * nodes; }
+  double flops(const std::string& precision) const { return precision == "fp32" ? flops_fp32 : flops_bf16; }
+};
+
+// Presets: h100, h200, a100 (optionally xN devices, e.g. h100x8, h100x16: 8 per node), or
+// local (loaded from a calibration file, see calibrate.h). Throws naming the known ones.
+Cluster cluster_preset(const std::string& spec);
+std::vector<std::string> cluster_preset_names();
+
+// What a training step processes.
+struct Workload {
+  int64_t vision_tokens = 1024;     // patches per image (before the 2x2 merge); a square grid when possible
+  int64_t images_per_sample = 1;
+  int64_t text_tokens = 64;         // text tokens per sample besides the image tokens (prompt, template, answer)
+  int64_t target_tokens = 32;       // tokens per sample with a loss (the answer)
+  int64_t batch_size = 8;           // global samples per step
+  int64_t micro_batches = 1;
+  std::string precision = "bf16";   // bf16 (fp32 masters, see Conventions) or fp32
+  bool checkpointing = true;        // activation checkpointing (recompute each layer in backward)
+  // Patch grid (h, w) of one image: the squarest even-sided grid of vision_tokens patches.
+  std::pair<int64_t, int64_t> grid() const;
+  int64_t tokens_per_sample(int64_t merge) const;  // text sequence length of one sample
+};
+
+// How the runtime holds state and computes the loss: dhp's own, or the reference
+// systems' (both documented with their sources in docs/cost_model.md).
+struct Conventions {
+  std::string name = "dhp";
+  double param_bytes = 2, grad_bytes = 2;  // per parameter, bf16 training
+  double optim_bytes = 12;                 // fp32 master + Adam moments (ZeRO's K = 12)
+  bool logits_all_positions = false;       // logits at every position (HF) or at the targets only (dhp)
+  double logit_bytes = 12;                 // per logit element at the loss' peak
+  double zero3_live_params = 0;            // parameters a ZeRO-3 module keeps gathered (0 = two layers)
+  double zero3_bucket_bytes = 0;           // ZeRO-3 gradient reduce bucket
+  bool vision_fused_qkv = true;            // one qkv GEMM (HF's vision) or separate q, k, v linears
+};
+Conventions conventions(const std::string& name);  // dhp, reference (SP+TP, TP: the Ray system), deepspeed (ZeRO-3)
+
+// One module's strategy: kind none, sp (Ulysses + ZeRO-1 over the module's ranks), tp
+// (Megatron tensor parallel; vocabulary split for the text), zero3, dp; `degree` is the sp
+// or tp degree, `dp` the replicas. Ranks = degree * dp.
+struct ModuleStrategy {
+  std::string kind = "none";
+  int64_t degree = 1;
+  int64_t dp = 1;
+  int64_t ranks() const { return degree * dp; }
+  std::string describe() const;
+};
+
+struct Plan {
+  std::string name;            // dhp, tp, zero3 or a description
+  ModuleStrategy vision, text;
+  bool disjoint = false;       // modules on separate ranks (pipelined) or on the same ones (one after the other)
+  std::string conventions = "dhp";
+  std::string describe() const;
+};
+
+// Named plans on `devices` ranks, colocated: dhp (vision sp + text tp), tp (both tp),
+// zero3 (both zero3).
+Plan named_plan(const std::string& name, int64_t devices);
+
+struct ModuleCost {
+  // Seconds per step on one rank of the module.
+  double gemm_s = 0, attention_s = 0, elementwise_s = 0, comm_s = 0, optimizer_s = 0;
+  int64_t comm_calls = 0;
+  double comm_bytes = 0;   // bytes this rank sends per step (ring formulas)
+  double flops = 0;        // model FLOPs per step of the whole module (fwd + bwd, no recompute)
+  // Bytes per device.
+  double state_bytes = 0, activation_bytes = 0, working_bytes = 0, logits_bytes = 0, gathered_bytes = 0;
+  double time_s() const { return gemm_s + attention_s + elementwise_s + comm_s + optimizer_s; }
+  double memory_bytes() const { return state_bytes + activation_bytes + working_bytes + logits_bytes + gathered_bytes; }
+};
+
+struct Estimate {
+  Plan plan;
+  Workload workload;
+  ModuleCost vision, text;
+  double redistribute_s = 0;   // embeddings and their gradients between the groups
+  double step_s = 0;
+  double throughput = 0;       // the reference's metric: patches per image x batch / step time
+  double memory_bytes = 0;     // the fullest device
+  double capacity_bytes = 0;   // memory - reserve
+  bool fits = false;
+  std::string reason;          // why it does not fit or cannot run (empty when it does)
+};
+
+// Step time and memory of `plan` for `w` on `c`. A plan that cannot run (degrees that do
+// not divide the heads, too few samples for the replicas, more ranks than devices) comes
+// back with fits = false and the reason.
+Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const Plan& plan);
+
+// Every plan the search considers on c.devices() ranks: each module none/sp/tp/zero3/dp
+// with every degree and replica count that divides the devices, colocated or disjoint.
+std::vector<Plan> candidate_plans(const qwen::ModelConfig& m, const Cluster& c, const std::string& conventions);
+
+// The feasible estimates of every candidate, fastest first, and the infeasible ones with
+// their reasons (in `rejected`).
+std::vector<Estimate> search(const qwen::ModelConfig& m, const Cluster& c, const Workload& w,
+                             const std::string& conventions, std::vector<Estimate>* rejected = nullptr);
+
+// Formulas exposed for tests.
+// Parameters of one vision block / text layer.
+int64_t vision_block_params(const qwen::VisionConfig& v);
+int64_t text_layer_params(const qwen::TextConfig& t);
+// Per parameter bytes of the model states on one of n ranks under a ZeRO stage (0..3).
+double state_bytes_per_param(const Conventions& cv, int64_t zero_stage, int64_t n);
+// Seconds of one GEMM (m x k) @ (k x n) forward on c in `precision`.
+double gemm_seconds(const Cluster& c, const std::string& precision, double m, double n, double k);
+// Seconds of a collective over n ranks on `link` moving `bytes` (the full buffer for
+// all-reduce / all-gather / reduce-scatter; the local buffer for all-to-all).
+double all_reduce_seconds(const Link& link, int64_t n, double bytes);
+double all_gather_seconds(const Link& link, int64_t n, double bytes);
+double all_to_all_seconds(const Link& link, int64_t n, double bytes);
+// Forward FLOPs of one image's vision tower (exact: windows from Qwen's window index).
+double vision_image_flops(const qwen::VisionConfig& v, int64_t grid_h, int64_t grid_w);
+
+}  // namespace dhp::plan

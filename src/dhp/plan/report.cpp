@@ -1,0 +1,222 @@
+#include "dhp/plan/report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "dhp/core/error.h"
+#include "dhp/io/json.h"
+
+namespace dhp::plan {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, v);
+  return buf;
+}
+
+io::Json module_json(const ModuleCost& m) {
+  io::Json j = io::Json::object();
+  j.set("time_s", io::Json(m.time_s()));
+  j.set("gemm_s", io::Json(m.gemm_s));
+  j.set("attention_s", io::Json(m.attention_s));
+  j.set("elementwise_s", io::Json(m.elementwise_s));
+  j.set("comm_s", io::Json(m.comm_s));
+  j.set("comm_calls", io::Json(m.comm_calls));
+  j.set("comm_bytes", io::Json(m.comm_bytes));
+  j.set("optimizer_s", io::Json(m.optimizer_s));
+  j.set("flops", io::Json(m.flops));
+  j.set("state_bytes", io::Json(m.state_bytes));
+  j.set("activation_bytes", io::Json(m.activation_bytes));
+  j.set("working_bytes", io::Json(m.working_bytes));
+  j.set("logits_bytes", io::Json(m.logits_bytes));
+  j.set("gathered_bytes", io::Json(m.gathered_bytes));
+  return j;
+}
+
+io::Json estimate_json(const Estimate& e) {
+  io::Json j = io::Json::object();
+  j.set("plan", io::Json(e.plan.describe()));
+  j.set("conventions", io::Json(e.plan.conventions));
+  j.set("batch_size", io::Json(e.workload.batch_size));
+  j.set("micro_batches", io::Json(e.workload.micro_batches));
+  j.set("fits", io::Json(e.fits));
+  if (!e.reason.empty()) j.set("reason", io::Json(e.reason));
+  if (e.step_s > 0) {
+    j.set("throughput", io::Json(e.throughput));
+    j.set("step_time_s", io::Json(e.step_s));
+    j.set("memory_bytes", io::Json(e.memory_bytes));
+    j.set("capacity_bytes", io::Json(e.capacity_bytes));
+    j.set("redistribute_s", io::Json(e.redistribute_s));
+    j.set("vision", module_json(e.vision));
+    j.set("text", module_json(e.text));
+  }
+  return j;
+}
+
+}  // namespace
+
+std::string strategy_conventions(const std::string& strategy, const std::string& conventions) {
+  if (conventions != "reference") return conventions;
+  return strategy == "zero3" ? "deepspeed" : "reference";
+}
+
+std::vector<StudyPoint> study(const qwen::ModelConfig& m, const Cluster& c, const StudyOptions& o) {
+  DHP_CHECK(!o.vision_tokens.empty() && !o.batch_sizes.empty(), "dhp plan needs vision lengths and batch sizes");
+  auto batches = o.batch_sizes;
+  std::sort(batches.begin(), batches.end(), std::greater<int64_t>());
+  std::vector<StudyPoint> out;
+  for (int64_t vt : o.vision_tokens) {
+    StudyPoint p;
+    p.vision_tokens = vt;
+    Workload w = o.workload;
+    w.vision_tokens = vt;
+    w.micro_batches = 1;
+    for (const auto& name : o.strategies) {
+      StrategyPoint sp;
+      sp.name = name;
+      Plan plan = named_plan(name, c.devices());
+      plan.conventions = strategy_conventions(name, o.conventions);
+      bool found = false, runnable = false;
+      for (int64_t b : batches) {
+        w.batch_size = b;
+        auto e = estimate(m, c, w, plan);
+        if (e.fits) {
+          sp.estimate = e;
+          found = true;
+          break;
+        }
+        // When none fits, keep the smallest batch that runs (its memory tells by how much), else the
+        // first reason.
+        if (e.step_s > 0 || !runnable) sp.estimate = e;
+        runnable = runnable || e.step_s > 0;
+      }
+      sp.oom = !found;
+      p.strategies.push_back(sp);
+    }
+    // The search at every batch size; best = highest throughput.
+    std::vector<Estimate> all;
+    for (int64_t b : batches) {
+      w.batch_size = b;
+      std::vector<Estimate> rejected;
+      auto ok = search(m, c, w, o.conventions == "reference" ? "reference" : o.conventions,
+                       b == batches.front() ? &p.rejected : nullptr);
+      all.insert(all.end(), ok.begin(), ok.end());
+    }
+    std::stable_sort(all.begin(), all.end(), [](const Estimate& a, const Estimate& b) { return a.throughput > b.throughput; });
+    for (const auto& e : all) {
+      if (static_cast<int64_t>(p.best.size()) >= o.top) break;
+      const bool dup = std::any_of(p.best.begin(), p.best.end(),
+                                   [&](const Estimate& x) { return x.plan.describe() == e.plan.describe(); });
+      if (!dup) p.best.push_back(e);
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::string study_table(const std::string& model, const Cluster& c, const StudyOptions& o,
+                        const std::vector<StudyPoint>& points) {
+  std::ostringstream os;
+  const auto& w = o.workload;
+  os << "dhp plan: " << model << " on " << c.name << " (" << c.devices() << "x " << c.device << "), " << w.precision
+     << (w.checkpointing ? ", activation checkpointing" : "") << ", " << w.images_per_sample << " image(s) + "
+     << w.text_tokens << " text tokens per sample, conventions " << o.conventions << "\n";
+  os << "predicted throughput = patches per image x batch / step time; (batch) = the largest of the batch sizes that "
+        "fits; memory = the fullest device of "
+     << fmt("%.1f", (c.memory_bytes - c.reserved_bytes) / kGiB) << " GiB usable\n\n";
+  os << "| patches |";
+  for (const auto& s : o.strategies) os << " " << s << " patches/s (batch) | " << s << " step s | " << s << " GiB |";
+  const bool ratio = std::find(o.strategies.begin(), o.strategies.end(), "dhp") != o.strategies.end() &&
+                     std::find(o.strategies.begin(), o.strategies.end(), "tp") != o.strategies.end();
+  if (ratio) os << " dhp/tp |";
+  os << " best plan found | its patches/s (batch) |\n|---|";
+  for (size_t i = 0; i < o.strategies.size(); ++i) os << "---|---|---|";
+  if (ratio) os << "---|";
+  os << "---|---|\n";
+  for (const auto& p : points) {
+    os << "| " << p.vision_tokens << " |";
+    double dhp_t = 0, tp_t = 0;
+    for (const auto& s : p.strategies) {
+      const auto& e = s.estimate;
+      if (s.oom) {
+        os << " OOM | - | " << (e.memory_bytes > 0 ? fmt("%.1f", e.memory_bytes / kGiB) : std::string("-")) << " |";
+        continue;
+      }
+      os << " " << fmt("%.0f", e.throughput) << " (" << e.workload.batch_size << ") | " << fmt("%.2f", e.step_s) << " | "
+         << fmt("%.1f", e.memory_bytes / kGiB) << " |";
+      if (s.name == "dhp") dhp_t = e.throughput;
+      if (s.name == "tp") tp_t = e.throughput;
+    }
+    if (ratio) os << " " << (dhp_t > 0 && tp_t > 0 ? fmt("%.2f", dhp_t / tp_t) : std::string("-")) << " |";
+    if (p.best.empty()) {
+      os << " none fits | - |\n";
+    } else {
+      const auto& b = p.best.front();
+      os << " " << b.plan.describe() << (b.workload.micro_batches > 1 ? ", " + std::to_string(b.workload.micro_batches) + " micro-batches" : "")
+         << " | " << fmt("%.0f", b.throughput) << " (" << b.workload.batch_size << ") |\n";
+    }
+  }
+  // Why the named strategies that do not fit do not.
+  std::string notes;
+  for (const auto& p : points) {
+    for (const auto& s : p.strategies) {
+      if (s.oom) notes += "- " + std::to_string(p.vision_tokens) + " patches, " + s.name + ": " + s.estimate.reason + "\n";
+    }
+  }
+  if (!notes.empty()) os << "\n" << notes;
+  return os.str();
+}
+
+std::string study_json(const std::string& model, const Cluster& c, const StudyOptions& o,
+                       const std::vector<StudyPoint>& points) {
+  io::Json root = io::Json::object();
+  root.set("model", io::Json(model));
+  io::Json cl = io::Json::object();
+  cl.set("name", io::Json(c.name));
+  cl.set("device", io::Json(c.device));
+  cl.set("devices", io::Json(c.devices()));
+  cl.set("memory_bytes", io::Json(c.memory_bytes));
+  cl.set("reserved_bytes", io::Json(c.reserved_bytes));
+  cl.set("source", io::Json(c.source));
+  root.set("cluster", cl);
+  io::Json wl = io::Json::object();
+  wl.set("images_per_sample", io::Json(o.workload.images_per_sample));
+  wl.set("text_tokens", io::Json(o.workload.text_tokens));
+  wl.set("target_tokens", io::Json(o.workload.target_tokens));
+  wl.set("precision", io::Json(o.workload.precision));
+  wl.set("checkpointing", io::Json(o.workload.checkpointing));
+  wl.set("conventions", io::Json(o.conventions));
+  root.set("workload", wl);
+  io::Json arr = io::Json::array();
+  for (const auto& p : points) {
+    io::Json jp = io::Json::object();
+    jp.set("vision_tokens", io::Json(p.vision_tokens));
+    io::Json st = io::Json::object();
+    for (const auto& s : p.strategies) {
+      auto j = estimate_json(s.estimate);
+      j.set("oom", io::Json(s.oom));
+      st.set(s.name, j);
+    }
+    jp.set("strategies", st);
+    io::Json best = io::Json::array();
+    for (const auto& e : p.best) best.push(estimate_json(e));
+    jp.set("best", best);
+    io::Json rej = io::Json::array();
+    for (const auto& e : p.rejected) {
+      io::Json r = io::Json::object();
+      r.set("plan", io::Json(e.plan.describe()));
+      r.set("reason", io::Json(e.reason));
+      rej.push(r);
+    }
+    jp.set("rejected", rej);
+    arr.push(jp);
+  }
+  root.set("points", arr);
+  return root.dump(2) + "\n";
+}
+
+}  // namespace dhp::plan

@@ -1,0 +1,44 @@
+// dhp plan's study: for each vision length, the named strategies' predicted throughput,
+// step time, memory per device and largest batch, and the best plan of the whole search,
+// as a table and as JSON.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dhp/plan/cost_model.h"
+
+namespace dhp::plan {
+
+struct StudyOptions {
+  std::vector<int64_t> vision_tokens{1024, 4096};
+  std::vector<int64_t> batch_sizes{1, 2, 4, 8};
+  std::vector<std::string> strategies{"dhp", "tp", "zero3"};
+  std::string conventions = "dhp";  // dhp, or reference: the published systems (SP+TP / TP: Ray's, zero3: DeepSpeed)
+  Workload workload;                // vision_tokens and batch_size are set per point
+  int64_t top = 3;                  // best plans listed per length
+};
+
+struct StrategyPoint {
+  std::string name;
+  Estimate estimate;   // at the largest batch that fits (or the smallest tried when none does)
+  bool oom = false;
+};
+
+struct StudyPoint {
+  int64_t vision_tokens = 0;
+  std::vector<StrategyPoint> strategies;
+  std::vector<Estimate> best;      // the search's fastest feasible plans (throughput), up to top
+  std::vector<Estimate> rejected;  // infeasible plans at the largest batch, with their reasons
+};
+
+// The conventions a named strategy runs under: its own system's for the reference study.
+std::string strategy_conventions(const std::string& strategy, const std::string& conventions);
+
+std::vector<StudyPoint> study(const qwen::ModelConfig& m, const Cluster& c, const StudyOptions& o);
+std::string study_table(const std::string& model, const Cluster& c, const StudyOptions& o,
+                        const std::vector<StudyPoint>& points);
+std::string study_json(const std::string& model, const Cluster& c, const StudyOptions& o,
+                       const std::vector<StudyPoint>& points);
+
+}  // namespace dhp::plan
