@@ -1,0 +1,243 @@
+// The planner's formulas on hand-computed cases: per-layer parameter counts against the
+// presets, vision FLOPs of a small grid by hand and against the trainer's own counter,
+// bytes per parameter under each ZeRO stage, the GEMM roofline and the ring collectives;
+// then properties of whole estimates (infeasible plans name why, ZeRO-3 states shrink with
+// the ranks, TP replicates element-wise work), the search's order, cluster specs, the
+// local calibration round trip, and the predictions docs/cost_model.md reports for the
+// reference's published study.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "dhp/core/error.h"
+#include "dhp/models/qwen2_5_vl/vision.h"
+#include "dhp/plan/calibrate.h"
+#include "dhp/plan/cost_model.h"
+#include "dhp/plan/report.h"
+#include "dhp/train/flops.h"
+#include "files.h"
+
+namespace {
+
+using namespace dhp::plan;
+
+TEST(PlanFormulas, LayerParameterCountsAddUpToThePresets) {
+  for (const char* name : {"qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b", "qwen2.5-vl-72b"}) {
+    const auto m = dhp::qwen::preset(name);
+    const auto& v = m.vision;
+    const int64_t h = v.hidden_size, unit = v.spatial_merge_size * v.spatial_merge_size;
+    const int64_t patch = v.patch_dim() * h;                                     // conv without bias
+    const int64_t merger = h + (unit * h) * (unit * h) + unit * h + (unit * h) * v.out_hidden_size + v.out_hidden_size;
+    EXPECT_EQ(patch + v.depth * vision_block_params(v) + merger, dhp::qwen::count_parameters(m).vision) << name;
+    const auto& t = m.text;
+    const int64_t embed = t.vocab_size * t.hidden_size * (t.tie_word_embeddings ? 1 : 2);
+    EXPECT_EQ(embed + t.num_layers * text_layer_params(t) + t.hidden_size, dhp::qwen::count_parameters(m).text) << name;
+  }
+  // By hand: the 32B's vision block (h 1280, I 3456) and text layer (h 5120, 8 kv heads of 128, I 27648).
+  const auto m = dhp::qwen::preset("qwen2.5-vl-32b");
+  EXPECT_EQ(vision_block_params(m.vision), 2 * 1280 + 1280 * 3840 + 3840 + 1280 * 1280 + 1280 +
+                                               2 * (1280 * 3456 + 3456) + 3456 * 1280 + 1280);
+  EXPECT_EQ(text_layer_params(m.text),
+            2 * 5120 + 5120 * 5120 + 5120 + 2 * (5120 * 1024 + 1024) + 5120 * 5120 + 3 * 5120 * 27648);
+}
+
+TEST(PlanFormulas, VisionFlopsByHandAndAsTheTrainerCounts) {
+  dhp::qwen::VisionConfig v;
+  v.depth = 2;
+  v.hidden_size = 32;
+  v.num_heads = 4;
+  v.intermediate_size = 64;
+  v.out_hidden_size = 16;
+  v.fullatt_block_indexes = {1};
+  // 16 x 8 patches: two 8 x 8 windows (112 px / 14 px) of 64 patches; the full block sees 128.
+  const double N = 128, h = 32, I = 64, P = 3 * 2 * 14 * 14;
+  const double hand = 2 * N * P * h                                   // patch embedding
+                      + 2 * (2 * N * h * (4 * h + 3 * I))              // two blocks' linears
+                      + 4 * h * (2 * 64 * 64) + 4 * h * (128 * 128)    // window block, full block
+                      + 2 * (N / 4) * (4 * h) * (4 * h + 16);          // merger
+  EXPECT_DOUBLE_EQ(vision_image_flops(v, 16, 8), hand);
+  const auto plan = dhp::qwen::make_vision_plan({{1, 16, 8}}, v);
+  EXPECT_DOUBLE_EQ(vision_image_flops(v, 16, 8), dhp::train::vision_forward_flops(v, plan));
+  // A real grid: equal to the trainer's counter too.
+  const auto m = dhp::qwen::preset("qwen2.5-vl-32b");
+  EXPECT_DOUBLE_EQ(vision_image_flops(m.vision, 64, 64),
+                   dhp::train::vision_forward_flops(m.vision, dhp::qwen::make_vision_plan({{1, 64, 64}}, m.vision)));
+}
+
+TEST(PlanFormulas, BytesPerParameterPerZeroStage) {
+  const auto dhp_cv = conventions("dhp");  // bf16 param 2 + grad 2 + fp32 master and moments 12
+  EXPECT_DOUBLE_EQ(state_bytes_per_param(dhp_cv, 0, 8), 16);
+  EXPECT_DOUBLE_EQ(state_bytes_per_param(dhp_cv, 1, 4), 2 + 2 + 12.0 / 4);
+  EXPECT_DOUBLE_EQ(state_bytes_per_param(dhp_cv, 2, 4), 2 + 14.0 / 4);
+  EXPECT_DOUBLE_EQ(state_bytes_per_param(dhp_cv, 3, 8), 2);
+  const auto ref = conventions("reference");  // bf16 everything: 2 + 2 + 4
+  EXPECT_DOUBLE_EQ(state_bytes_per_param(ref, 0, 1), 8);
+  EXPECT_DOUBLE_EQ(state_bytes_per_param(conventions("deepspeed"), 3, 8), 2);
+  EXPECT_THROW(state_bytes_per_param(dhp_cv, 4, 8), dhp::Error);
+  EXPECT_THROW(conventions("megatron"), dhp::Error);
+}
+
+Cluster toy_cluster() {
+  Cluster c;
+  c.name = "toy";
+  c.devices_per_node = 4;
+  c.memory_bytes = 1e9;
+  c.flops_bf16 = c.flops_fp32 = 1e12;
+  c.gemm_efficiency = c.attention_efficiency = c.hbm_efficiency = 1;
+  c.hbm_bandwidth = 1e9;
+  c.intra = {1e9, 1e-3};
+  c.inter = {1e8, 1e-2};
+  return c;
+}
+
+TEST(PlanFormulas, GemmRooflineAndRingCollectives) {
+  const auto c = toy_cluster();
+  // 1000^3 bf16: compute 2e9 / 1e12 = 2 ms; memory 2 B x 3e6 / 1e9 = 6 ms -> memory-bound.
+  EXPECT_DOUBLE_EQ(gemm_seconds(c, "bf16", 1000, 1000, 1000), 6e-3);
+  // 1e5 x 10 x 10 fp32 is memory-bound: 4 B x (1e6 + 100 + 1e6) / 1e9.
+  EXPECT_DOUBLE_EQ(gemm_seconds(c, "fp32", 1e5, 10, 10), 4 * (1e6 + 100 + 1e6) / 1e9);
+  auto fast_memory = c;
+  fast_memory.hbm_bandwidth = 1e15;  // compute-bound: 2 m n k / peak
+  EXPECT_NEAR(gemm_seconds(fast_memory, "bf16", 1000, 1000, 1000), 2e-3, 1e-9);
+  // Ring all-reduce: latency + 2 (n-1)/n x bytes / bus bandwidth; all-gather half the traffic.
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(c.intra, 4, 1e6), 1e-3 + 2 * 0.75 * 1e-3);
+  EXPECT_DOUBLE_EQ(all_gather_seconds(c.intra, 4, 1e6), 1e-3 + 0.75 * 1e-3);
+  EXPECT_DOUBLE_EQ(all_to_all_seconds(c.intra, 2, 1e6), 1e-3 + 0.5 * 1e-3);
+  EXPECT_EQ(all_reduce_seconds(c.intra, 1, 1e9), 0);
+}
+
+Workload reference_workload(int64_t vision_tokens, int64_t batch) {
+  Workload w;
+  w.vision_tokens = vision_tokens;
+  w.batch_size = batch;
+  return w;
+}
+
+TEST(PlanEstimate, InfeasiblePlansSayWhy) {
+  const auto m = dhp::qwen::preset("qwen2.5-vl-32b");
+  const auto c = cluster_preset("h100x8");
+  Plan p = named_plan("tp", 8);
+  p.vision.degree = 3;  // 16 heads do not split 3 ways
+  auto e = estimate(m, c, reference_workload(1024, 8), p);
+  EXPECT_FALSE(e.fits);
+  EXPECT_NE(e.reason.find("heads"), std::string::npos) << e.reason;
+  e = estimate(m, c, reference_workload(1024, 4), named_plan("zero3", 8));  // 8 replicas, 4 samples
+  EXPECT_FALSE(e.fits);
+  EXPECT_NE(e.reason.find("replicas"), std::string::npos) << e.reason;
+  e = estimate(m, c, reference_workload(65536, 8), named_plan("tp", 8));
+  EXPECT_FALSE(e.fits);
+  EXPECT_NE(e.reason.find("out of memory"), std::string::npos) << e.reason;
+  EXPECT_GT(e.memory_bytes, e.capacity_bytes);
+  e = estimate(m, c, reference_workload(1024, 8), named_plan("dhp", 16));
+  EXPECT_FALSE(e.fits);
+  EXPECT_NE(e.reason.find("devices"), std::string::npos) << e.reason;
+}
+
+TEST(PlanEstimate, StatesShardAndTensorParallelReplicatesElementwiseWork) {
+  const auto m = dhp::qwen::preset("qwen2.5-vl-32b");
+  const auto c = cluster_preset("h100x8");
+  const auto w = reference_workload(4096, 8);
+  const auto z = estimate(m, c, w, named_plan("zero3", 8));
+  const double text_params = static_cast<double>(dhp::qwen::count_parameters(m).text);
+  EXPECT_DOUBLE_EQ(z.text.state_bytes, text_params * 16 / 8);  // dhp: 16 B per parameter over 8
+  const auto sp = estimate(m, c, w, named_plan("dhp", 8)), tp = estimate(m, c, w, named_plan("tp", 8));
+  ASSERT_TRUE(sp.fits && tp.fits);
+  // The same text; the vision's norms and residuals run on every TP rank, on 1/8 of the rows under SP.
+  EXPECT_DOUBLE_EQ(sp.text.time_s(), tp.text.time_s());
+  EXPECT_GT(tp.vision.elementwise_s, 2 * sp.vision.elementwise_s);
+  EXPECT_GT(tp.vision.comm_calls, sp.vision.comm_calls);
+  EXPECT_LT(sp.step_s, tp.step_s);
+  // Model FLOPs do not depend on the strategy; checkpointing costs time, not FLOPs.
+  EXPECT_DOUBLE_EQ(sp.vision.flops, tp.vision.flops);
+  auto no_ckpt = w;
+  no_ckpt.checkpointing = false;
+  const auto fast = estimate(m, c, no_ckpt, named_plan("dhp", 8));
+  EXPECT_LT(fast.step_s, sp.step_s);
+  EXPECT_GT(fast.memory_bytes, sp.memory_bytes);
+}
+
+TEST(PlanSearch, FastestFirstAndEveryRejectionExplained) {
+  const auto m = dhp::qwen::preset("qwen2.5-vl-7b");
+  const auto c = cluster_preset("h100x4");
+  std::vector<Estimate> rejected;
+  const auto ok = search(m, c, reference_workload(4096, 8), "dhp", &rejected);
+  ASSERT_FALSE(ok.empty());
+  for (size_t i = 1; i < ok.size(); ++i) EXPECT_LE(ok[i - 1].step_s, ok[i].step_s);
+  for (const auto& e : ok) EXPECT_TRUE(e.fits) << e.plan.describe();
+  for (const auto& e : rejected) EXPECT_FALSE(e.reason.empty()) << e.plan.describe();
+  // Colocated and disjoint plans were considered: 4 devices give 3 vision x 3 text choices...
+  EXPECT_GE(candidate_plans(m, c, "dhp").size(), 9u + 3u);
+}
+
+TEST(PlanClusters, SpecsAndErrors) {
+  EXPECT_EQ(cluster_preset("h100x16").nodes, 2);
+  EXPECT_EQ(cluster_preset("h100x16").devices(), 16);
+  EXPECT_EQ(cluster_preset("a100x4").devices(), 4);
+  EXPECT_GT(cluster_preset("h200").memory_bytes, cluster_preset("h100").memory_bytes);
+  EXPECT_THROW(cluster_preset("h100x12"), dhp::Error);
+  EXPECT_THROW(cluster_preset("h100xa"), dhp::Error);
+  try {
+    cluster_preset("tpu");
+    FAIL() << "no error";
+  } catch (const dhp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("h100"), std::string::npos) << e.what();
+  }
+  dhp::testing::TempDir dir("plan_missing");
+  setenv("DHP_CALIBRATION_DIR", dir.path().c_str(), 1);
+  try {
+    cluster_preset("localx2");
+    FAIL() << "no error";
+  } catch (const dhp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--calibrate"), std::string::npos) << e.what();
+  }
+  unsetenv("DHP_CALIBRATION_DIR");
+}
+
+TEST(PlanCalibration, MeasuresThisMachineAndReadsBack) {
+  dhp::testing::TempDir dir("plan_calibrate");
+  CalibrateOptions o;
+  o.ranks = 2;
+  o.quiet = true;
+  o.out = (dir.path() / "local-x2.json").string();
+  const auto c = calibrate_local(o);
+  EXPECT_GT(c.flops_fp32, 1e8);
+  EXPECT_GT(c.flops_bf16, 1e8);
+  EXPECT_GT(c.hbm_bandwidth, 1e8);
+  EXPECT_GT(c.attention_flops, 1e7);
+  EXPECT_GT(c.intra.latency_s, 0);
+  EXPECT_GT(c.intra.bus_bandwidth, 1e6);
+  EXPECT_EQ(c.devices(), 2);
+  setenv("DHP_CALIBRATION_DIR", dir.path().c_str(), 1);
+  const auto back = cluster_preset("localx2");
+  unsetenv("DHP_CALIBRATION_DIR");
+  EXPECT_EQ(back.flops_fp32, c.flops_fp32);
+  EXPECT_EQ(back.intra.bus_bandwidth, c.intra.bus_bandwidth);
+  EXPECT_EQ(back.devices(), 2);
+  EXPECT_THROW(load_local_cluster((dir.path() / "none.json").string()), dhp::Error);
+}
+
+// What docs/cost_model.md reports against the reference's published study (Qwen2.5-VL-32B,
+// 8x H100, bf16, activation checkpointing, batch <= 8): the largest dhp batches, where
+// ZeRO-3 fits, and that dhp beats tp at every length.
+TEST(PlanReference, PredictionsDocumentedInCostModel) {
+  StudyOptions o;
+  o.vision_tokens = {1024, 4096, 9216, 16384, 25600, 65536};
+  o.batch_sizes = {1, 2, 4, 8};
+  o.conventions = "reference";
+  o.top = 1;
+  const auto points = study(dhp::qwen::preset("qwen2.5-vl-32b"), cluster_preset("h100x8"), o);
+  const std::vector<int64_t> dhp_batches{8, 8, 8, 8, 4, 2};
+  const std::vector<bool> zero3_fits{true, true, true, false, false, false};
+  ASSERT_EQ(points.size(), 6u);
+  for (size_t i = 0; i < points.size(); ++i) {
+    const auto& s = points[i].strategies;
+    ASSERT_EQ(s.size(), 3u);
+    EXPECT_EQ(s[0].estimate.workload.batch_size, dhp_batches[i]) << points[i].vision_tokens;
+    EXPECT_EQ(!s[2].oom, zero3_fits[i]) << points[i].vision_tokens;
+    EXPECT_GT(s[0].estimate.throughput, s[1].estimate.throughput) << points[i].vision_tokens;
+    EXPECT_FALSE(points[i].best.empty());
+  }
+}
+
+}  // namespace
