@@ -355,9 +355,9 @@ int cmd_bench(int argc, char** argv, int first) {
 
 int cmd_plan(int argc, char** argv, int first) {
   dhp::plan::StudyOptions o;
-  std::string model = "qwen2.5-vl-32b", cluster = "h100x8", json, memory, config;
+  std::string model = "qwen2.5-vl-32b", cluster = "h100x8", json, memory, config, against;
   std::vector<std::string> sets;
-  bool calibrate = false;
+  bool calibrate = false, text_given = false, precision_given = false, ckpt_given = false;
   dhp::plan::CalibrateOptions co;
   Flags flags(argc, argv, first);
   while (flags.next()) {
@@ -369,7 +369,8 @@ int cmd_plan(int argc, char** argv, int first) {
           "                [--vision-tokens LIST] [--batch-sizes LIST] [--images N] [--text-tokens N]\n"
           "                [--targets N] [--precision bf16|fp32] [--no-checkpointing] [--conventions dhp|reference]\n"
           "                [--strategies LIST] [--memory-per-device SIZE] [--top K] [--json FILE]\n"
-          "       dhp plan --calibrate [--ranks N] [--threads N] [--out FILE]\n\n"
+          "       dhp plan --calibrate [--ranks N] [--threads N] [--out FILE]\n"
+          "       dhp plan --config FILE --cluster localxN --against RESULTS.json\n\n"
           "Predicts, from the cost model in docs/cost_model.md (no measurement), each named strategy's\n"
           "throughput (vision patches per image x batch / step time, the reference's metric), step time,\n"
           "memory per device and largest batch for each vision length, and searches every plan (vision\n"
@@ -377,7 +378,8 @@ int cmd_plan(int argc, char** argv, int first) {
           "same or on disjoint devices, micro-batches) for the fastest that fits.\n\n"
           "options:\n"
           "  --model PRESET         model preset (default qwen2.5-vl-32b; see dhp params --all)\n"
-          "  --config FILE, --set   take the model from a dhp config instead\n"
+          "  --config FILE, --set   take the model from a dhp config instead (and, unless given, the\n"
+          "                         precision, checkpointing and text tokens of its shapes task)\n"
           "  --cluster SPEC         h100, h200, a100, each xN devices (default h100x8; 8 per node), or\n"
           "                         localxN: this machine as N ranks, from dhp plan --calibrate --ranks N\n"
           "  --vision-tokens LIST   patches per image (default 1024,4096)\n"
@@ -396,7 +398,10 @@ int cmd_plan(int argc, char** argv, int first) {
           "  --calibrate            measure this machine (GEMM, element-wise bandwidth, op overhead,\n"
           "                         attention, Gloo all-reduce) and save it for --cluster localxN\n"
           "  --ranks N, --threads N ranks measured at once and intra-op threads each (default 2, 1)\n"
-          "  --out FILE             where --calibrate writes (default runs/plan/local-xN.json)\n");
+          "  --out FILE             where --calibrate writes (default runs/plan/local-xN.json)\n"
+          "  --against FILE         predict every point of a dhp bench results.json (its strategies,\n"
+          "                         lengths, batches and memory limit) and print the error per point\n"
+          "                         and whether the strategies rank as measured\n");
       return 0;
     } else if (f == "--model") {
       model = next();
@@ -414,14 +419,18 @@ int cmd_plan(int argc, char** argv, int first) {
       o.workload.images_per_sample = parse_int(f, next());
     } else if (f == "--text-tokens") {
       o.workload.text_tokens = parse_int(f, next());
+      text_given = true;
     } else if (f == "--targets") {
       o.workload.target_tokens = parse_int(f, next());
+      text_given = true;
     } else if (f == "--precision") {
+      precision_given = true;
       o.workload.precision = next();
       DHP_CHECK(o.workload.precision == "bf16" || o.workload.precision == "fp32", "--precision must be bf16 or fp32, got '",
                 o.workload.precision, "'");
     } else if (f == "--no-checkpointing") {
       o.workload.checkpointing = false;
+      ckpt_given = true;
     } else if (f == "--conventions") {
       o.conventions = next();
       DHP_CHECK(o.conventions == "dhp" || o.conventions == "reference", "--conventions must be dhp or reference, got '",
@@ -445,6 +454,8 @@ int cmd_plan(int argc, char** argv, int first) {
       co.threads = parse_int(f, next());
     } else if (f == "--out") {
       co.out = next();
+    } else if (f == "--against") {
+      against = next();
     } else {
       DHP_FAIL("unknown option '", flags.raw(), "' (see dhp plan --help)");
     }
@@ -464,6 +475,24 @@ int cmd_plan(int argc, char** argv, int first) {
     const auto cfg = dhp::load_config(config, sets);
     m = cfg.model.config;
     model_name = cfg.model.preset;
+    if (!precision_given) o.workload.precision = cfg.training.precision;
+    if (!ckpt_given) o.workload.checkpointing = cfg.training.activation_checkpointing;
+    if (!text_given && cfg.data.dataset == "shapes") {  // the task's mean text and answer tokens
+      dhp::data::ShapesOptions so;
+      so.min_side = so.max_side = 112;
+      dhp::data::ShapesDataset ds(m, so);
+      int64_t text = 0, targets = 0;
+      const int n = 64;
+      for (int i = 0; i < n; ++i) {
+        const auto smp = ds.get(i, false);
+        int64_t image = 0;
+        for (const auto& g : smp.grids) image += g[0] * g[1] * g[2] / (m.vision.spatial_merge_size * m.vision.spatial_merge_size);
+        text += static_cast<int64_t>(smp.ids.size()) - image;
+        targets += dhp::data::num_targets(smp);
+      }
+      o.workload.text_tokens = (text + n / 2) / n;
+      o.workload.target_tokens = std::max<int64_t>(1, (targets + n / 2) / n);
+    }
   } else {
     m = dhp::qwen::preset(model);
   }
@@ -471,6 +500,26 @@ int cmd_plan(int argc, char** argv, int first) {
   if (!memory.empty()) {
     c.memory_bytes = static_cast<double>(dhp::parse_bytes(memory, "--memory-per-device"));
     c.reserved_bytes = 0;
+  }
+  if (!against.empty()) {
+    if (memory.empty()) {  // the bench's per-rank limit
+      std::ifstream rf(against);
+      DHP_CHECK(rf.good(), "cannot read --against ", against);
+      std::stringstream rs;
+      rs << rf.rdbuf();
+      const auto j = dhp::io::Json::parse(rs.str(), against);
+      if (const auto* lim = j.at("settings", against).find("memory_limit"); lim && lim->is_string() && !lim->str().empty()) {
+        c.memory_bytes = static_cast<double>(dhp::parse_bytes(lim->str(), against + " settings.memory_limit"));
+        c.reserved_bytes = 0;
+      }
+    }
+    std::printf("dhp plan --against %s: %s on %s, %s%s, %lld text tokens (%lld with a loss) per sample\n\n",
+                against.c_str(), model_name.c_str(), c.name.c_str(), o.workload.precision.c_str(),
+                o.workload.checkpointing ? ", activation checkpointing" : "",
+                static_cast<long long>(o.workload.text_tokens), static_cast<long long>(o.workload.target_tokens));
+    const auto v = dhp::plan::validate(m, c, o.workload, against);
+    std::printf("%s", v.table.c_str());
+    return 0;
   }
   const auto points = dhp::plan::study(m, c, o);
   std::printf("%s", dhp::plan::study_table(model_name, c, o, points).c_str());

@@ -3,7 +3,9 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -25,20 +27,31 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Runs fn on `ranks` threads at once (the ranks of a job share the cores); returns the
-// median over ranks of the seconds each took.
-double concurrent(int64_t ranks, const std::function<double(int64_t)>& fn) {
+// Runs `work` on `ranks` threads at once (the ranks of a job share the cores): each thread
+// warms up, waits for the others, then times `reps` runs. Returns the slowest rank's seconds
+// per run (the time every rank needs for it while all share the cores).
+double concurrent(int64_t ranks, int reps, const std::function<std::function<void()>()>& make_work) {
   std::vector<double> t(static_cast<size_t>(ranks));
+  std::atomic<int64_t> ready{0};
   std::vector<std::thread> th;
-  for (int64_t r = 0; r < ranks; ++r) th.emplace_back([&, r] { t[static_cast<size_t>(r)] = fn(r); });
+  for (int64_t r = 0; r < ranks; ++r) {
+    th.emplace_back([&, r] {
+      auto work = make_work();
+      work();  // warm-up
+      ready.fetch_add(1);
+      while (ready.load() < ranks) std::this_thread::yield();
+      const auto t0 = Clock::now();
+      for (int i = 0; i < reps; ++i) work();
+      t[static_cast<size_t>(r)] = seconds_since(t0) / reps;
+    });
+  }
   for (auto& x : th) x.join();
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return *std::max_element(t.begin(), t.end());
 }
 
-// Best of `reps` timings of fn.
+// Best of `reps` timings of fn (after a warm-up).
 double best_of(int reps, const std::function<void()>& fn) {
-  fn();  // warm-up
+  fn();
   double best = 1e30;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = Clock::now();
@@ -63,7 +76,6 @@ std::string default_calibration_path(int64_t ranks) {
 
 Cluster calibrate_local(const CalibrateOptions& o) {
   DHP_CHECK(o.ranks >= 1 && o.threads >= 1, "calibration needs ranks >= 1 and threads >= 1");
-  torch::NoGradGuard no_grad;
   const int old_threads = torch::get_num_threads();
   torch::set_num_threads(static_cast<int>(o.threads));
   auto say = [&](const std::string& s) {
@@ -84,45 +96,49 @@ Cluster calibrate_local(const CalibrateOptions& o) {
   // GEMM rate per rank with every rank busy, at a shape the models' GEMMs reach.
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     const int64_t n = 512;
-    const double secs = concurrent(R, [&](int64_t) {
+    const double secs = concurrent(R, 8, [&] {
       auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
-      return best_of(5, [&] { (void)torch::matmul(a, b); });
+      return std::function<void()>([a, b] { (void)torch::matmul(a, b); });
     });
     const double rate = 2.0 * n * n * n / secs;
     (dtype == torch::kFloat32 ? c.flops_fp32 : c.flops_bf16) = rate;
     say(std::string(dtype == torch::kFloat32 ? "fp32" : "bf16") + " GEMM " + std::to_string(rate / 1e9) +
         " GFLOP/s per rank");
   }
-  // Element-wise bandwidth: y = a + b on 8M floats (read 2, write 1).
+  // Element-wise bandwidth: y = a + b on 1M floats (read 2, write 1; a fresh output each time
+  // as the trainer's ops allocate theirs, at a size the allocator reuses rather than maps anew).
   {
-    const int64_t n = 8 << 20;
-    const double secs = concurrent(R, [&](int64_t) {
+    const int64_t n = 1 << 20;
+    const double secs = concurrent(R, 20, [&] {
       auto a = torch::randn({n}), b = torch::randn({n});
-      return best_of(5, [&] { (void)(a + b); });
+      return std::function<void()>([a, b] { (void)(a + b); });
     });
     c.hbm_bandwidth = 3.0 * 4 * static_cast<double>(n) / secs;
     say("element-wise " + std::to_string(c.hbm_bandwidth / 1e9) + " GB/s per rank");
   }
-  // Fixed cost of one small op.
+  // Fixed cost of one small op with autograd recording (as in training).
   {
-    const double secs = concurrent(R, [&](int64_t) {
-      auto a = torch::ones({8}), b = torch::ones({8});
-      return best_of(3, [&] {
+    const double secs = concurrent(R, 5, [&] {
+      auto a = torch::ones({8}).requires_grad_(true), b = torch::ones({8});
+      return std::function<void()>([a, b] {
+        torch::AutoGradMode grad(true);
         for (int i = 0; i < 200; ++i) (void)(a + b);
-      }) / 200;
-    });
+      });
+    }) / 200;
     c.launch_s = secs;
     say("op overhead " + std::to_string(secs * 1e6) + " us");
   }
   // Attention forward + backward (bf16 in, fp32 math) of one 1024-token segment.
   {
     const int64_t S = 1024, H = 4, D = 64;
-    const double secs = concurrent(R, [&](int64_t) {
-      torch::AutoGradMode grad(true);
+    const double secs = concurrent(R, 2, [&] {
       auto q = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
       auto k = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
       auto v = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
-      return best_of(3, [&] { nn::varlen_attention(q, k, v, {0, S}).sum().backward(); });
+      return std::function<void()>([q, k, v, S] {
+        torch::AutoGradMode grad(true);
+        nn::varlen_attention(q, k, v, {0, S}).sum().backward();
+      });
     });
     const double fwd_flops = 4.0 * S * S * D * H;
     c.attention_flops = 3.5 * fwd_flops / secs;  // the model charges forward 1x + backward 2.5x

@@ -1,7 +1,10 @@
 #include "dhp/plan/report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <map>
 #include <sstream>
 
 #include "dhp/core/error.h"
@@ -217,6 +220,96 @@ std::string study_json(const std::string& model, const Cluster& c, const StudyOp
   }
   root.set("points", arr);
   return root.dump(2) + "\n";
+}
+
+Validation validate(const qwen::ModelConfig& m, const Cluster& c, const Workload& base, const std::string& path) {
+  std::ifstream f(path);
+  DHP_CHECK(f.good(), "cannot read bench results ", path, " (dhp bench writes DIR/results.json)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const auto root = io::Json::parse(ss.str(), path);
+  const auto& settings = root.at("settings", path);
+  const int64_t nproc = settings.at("nproc", path + " settings").integer(path + " settings.nproc");
+  DHP_CHECK(nproc == c.devices(), path, " was measured on ", nproc, " ranks but the cluster ", c.name, " has ",
+            c.devices(), "; use --cluster localx", nproc);
+  Validation v;
+  std::map<int64_t, std::vector<const ValidationRow*>> by_length;
+  for (const auto& p : root.at("points", path).elements(path + " points")) {
+    const std::string what = path + " point";
+    ValidationRow r;
+    r.strategy = p.at("strategy", what).str(what + " strategy");
+    r.vision_tokens = p.at("vision_tokens", what).integer(what + " vision_tokens");
+    r.batch_size = p.at("batch_size", what).integer(what + " batch_size");
+    r.measured_oom = p.at("oom", what).boolean(what + " oom");
+    Workload w = base;
+    w.vision_tokens = r.vision_tokens;
+    w.micro_batches = 1;
+    const Plan plan = named_plan(r.strategy, nproc);
+    if (r.measured_oom) {
+      // Nothing ran: does the model agree that the smallest batch tried does not fit?
+      int64_t smallest = 1 << 30;
+      for (const auto& b : settings.at("batch_sizes", what).elements(what)) smallest = std::min(smallest, b.integer(what));
+      w.batch_size = smallest;
+      const auto e = estimate(m, c, w, plan);
+      r.predicted_oom = !e.fits;
+      r.predicted_bytes = e.memory_bytes;
+      r.batch_size = smallest;
+    } else {
+      w.batch_size = r.batch_size;
+      r.measured_s = p.at("step_time_s", what).number(what + " step_time_s");
+      double peak = 0;
+      for (const auto& b : p.at("peak_bytes_per_rank", what).elements(what)) peak = std::max(peak, b.number(what));
+      r.measured_peak_bytes = peak;
+      const auto e = estimate(m, c, w, plan);
+      r.predicted_s = e.step_s;
+      r.predicted_oom = !e.fits;
+      r.predicted_bytes = e.memory_bytes;
+    }
+    v.rows.push_back(r);
+  }
+  for (const auto& r : v.rows) by_length[r.vision_tokens].push_back(&r);
+  std::ostringstream os;
+  os << "| strategy | patches | batch | measured s | predicted s | error | measured peak MiB | predicted MiB |\n"
+        "|---|---|---|---|---|---|---|---|\n";
+  double sum_abs = 0;
+  int64_t n = 0;
+  for (const auto& r : v.rows) {
+    os << "| " << r.strategy << " | " << r.vision_tokens << " | " << r.batch_size << " | ";
+    if (r.measured_oom) {
+      os << "OOM | " << (r.predicted_oom ? "OOM" : "fits") << " | " << (r.predicted_oom ? "agrees" : "MISS") << " | - | "
+         << fmt("%.0f", r.predicted_bytes / 1048576.0) << " |\n";
+      continue;
+    }
+    os << fmt("%.3f", r.measured_s) << " | " << fmt("%.3f", r.predicted_s) << (r.predicted_oom ? " (predicted OOM)" : "")
+       << " | " << fmt("%+.0f%%", 100 * r.error()) << " | " << fmt("%.0f", r.measured_peak_bytes / 1048576.0) << " | "
+       << fmt("%.0f", r.predicted_bytes / 1048576.0) << " |\n";
+    sum_abs += std::fabs(r.error());
+    ++n;
+  }
+  os << "\nranking of the strategies by throughput at each length (measured / predicted):\n";
+  for (auto& [len, rows] : by_length) {
+    // Order: runnable ones by step time (same batch per strategy as measured), OOM last.
+    auto order = [&](bool predicted) {
+      std::vector<const ValidationRow*> r = rows;
+      auto key = [&](const ValidationRow* x) {
+        const bool oom = predicted ? x->predicted_oom : x->measured_oom;
+        const double t = predicted ? x->predicted_s : x->measured_s;
+        return oom ? 1e30 : static_cast<double>(x->vision_tokens * x->batch_size) / -std::max(t, 1e-12);
+      };
+      std::stable_sort(r.begin(), r.end(), [&](auto* a, auto* b) { return key(a) < key(b); });
+      std::string s;
+      for (auto* x : r) s += (s.empty() ? "" : " > ") + x->strategy;
+      return s;
+    };
+    const auto meas = order(false), pred = order(true);
+    ++v.lengths;
+    if (meas == pred) ++v.rankings_matched;
+    os << "- " << len << " patches: " << meas << " / " << pred << (meas == pred ? " (same)" : " (DIFFERENT)") << "\n";
+  }
+  os << "\nmean |error| " << fmt("%.0f%%", n ? 100 * sum_abs / static_cast<double>(n) : 0.0) << " over " << n
+     << " points; rankings matched at " << v.rankings_matched << " of " << v.lengths << " lengths\n";
+  v.table = os.str();
+  return v;
 }
 
 }  // namespace dhp::plan

@@ -41,4 +41,22 @@ std::string study_table(const std::string& model, const Cluster& c, const StudyO
 std::string study_json(const std::string& model, const Cluster& c, const StudyOptions& o,
                        const std::vector<StudyPoint>& points);
 
+// Predicted against measured: every point of a `dhp bench` results.json (strategy, vision
+// length, the batch it ran) predicted with the same workload on `c`, error per point, and
+// per vision length whether the predicted order of the strategies is the measured one.
+struct ValidationRow {
+  std::string strategy;
+  int64_t vision_tokens = 0, batch_size = 0;
+  bool measured_oom = false, predicted_oom = false;
+  double measured_s = 0, predicted_s = 0;
+  double measured_peak_bytes = 0, predicted_bytes = 0;
+  double error() const { return predicted_s / measured_s - 1; }
+};
+struct Validation {
+  std::vector<ValidationRow> rows;
+  int64_t lengths = 0, rankings_matched = 0;
+  std::string table;
+};
+Validation validate(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const std::string& results_json);
+
 }  // namespace dhp::plan
