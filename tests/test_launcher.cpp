@@ -216,6 +216,31 @@ TEST(Launcher, ResumeContinuesAnInterruptedRun) {
   fs::remove_all(cut);
 }
 
+// parallel.strategy=auto on a machine without a calibration: the launcher measures it once,
+// the workers train under the layout the planner chose, logged with the reason and written
+// to the run's config.yaml as a custom layout.
+TEST(Launcher, AutoStrategyCalibratesOnceAndTrains) {
+  const fs::path dir = fs::temp_directory_path() / ("dhp-launcher-auto-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const std::string cmd = "DHP_CALIBRATION_DIR=" + (dir / "cal").string() + " " + std::string(DHP_BINARY) +
+                          " train --nproc 2 --set parallel.strategy=auto" + kTiny + " --out " + (dir / "run").string();
+  auto r = sh(cmd);
+  ASSERT_EQ(r.rc, 0) << r.output;
+  EXPECT_NE(r.output.find("measuring it once"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "cal" / "local-x2.json"));
+  EXPECT_NE(r.output.find("parallel.strategy=auto on 2 ranks"), std::string::npos) << r.output;
+  EXPECT_EQ(losses(dir / "run").size(), 3u);
+  std::ifstream f(dir / "run" / "config.yaml");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  EXPECT_NE(ss.str().find("strategy: \"custom\""), std::string::npos) << ss.str();
+  // The second run reuses the calibration.
+  r = sh(cmd);
+  ASSERT_EQ(r.rc, 0) << r.output;
+  EXPECT_EQ(r.output.find("measuring it once"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
 TEST(Launcher, ImpossibleLayoutIsRefusedBeforeWorkersStart) {
   auto r = sh(std::string(DHP_BINARY) + " train --nproc 3 --set parallel.strategy=tp" + kTiny);
   EXPECT_EQ(r.rc, 1) << r.output;

@@ -3,19 +3,25 @@
 // bytes per parameter under each ZeRO stage, the GEMM roofline and the ring collectives;
 // then properties of whole estimates (infeasible plans name why, ZeRO-3 states shrink with
 // the ranks, TP replicates element-wise work), the search's order, cluster specs, the
-// local calibration round trip, and the predictions docs/cost_model.md reports for the
-// reference's published study.
+// local calibration round trip, the predictions docs/cost_model.md reports for the
+// reference's published study, and parallel.strategy=auto (a layout the runtime accepts,
+// the same on every call, following the machine's figures, errors that say what to do).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 #include "dhp/core/error.h"
 #include "dhp/models/qwen2_5_vl/vision.h"
 #include "dhp/plan/calibrate.h"
 #include "dhp/plan/cost_model.h"
 #include "dhp/plan/report.h"
+#include "dhp/train/auto_plan.h"
+#include "dhp/train/config.h"
 #include "dhp/train/flops.h"
+#include "dhp/train/parallel_model.h"
 #include "files.h"
 
 namespace {
@@ -238,6 +244,89 @@ TEST(PlanReference, PredictionsDocumentedInCostModel) {
     EXPECT_GT(s[0].estimate.throughput, s[1].estimate.throughput) << points[i].vision_tokens;
     EXPECT_FALSE(points[i].best.empty());
   }
+}
+
+// A machine written by hand: 2 ranks with the given collective latency.
+void write_machine(const std::string& dir, double latency_s) {
+  Cluster c;
+  c.name = "local";
+  c.device = "test machine";
+  c.devices_per_node = 2;
+  c.memory_bytes = 8e9;
+  c.flops_bf16 = 2e11;
+  c.flops_fp32 = 5e10;
+  c.gemm_efficiency = c.attention_efficiency = c.hbm_efficiency = 1;
+  c.attention_flops = 5e10;
+  c.attention_tile = 1;
+  c.hbm_bandwidth = 5e9;
+  c.launch_s = 1e-6;
+  c.intra = c.inter = {2e9, latency_s};
+  c.source = "test";
+  save_cluster(c, dir + "/local-x2.json");
+}
+
+dhp::Config auto_config(std::vector<std::string> extra = {}) {
+  std::vector<std::string> sets = {"parallel.strategy=auto", "data.batch_size=4", "data.min_side=224",
+                                   "data.max_side=224"};
+  sets.insert(sets.end(), extra.begin(), extra.end());
+  return dhp::load_config(std::string(DHP_SOURCE_DIR) + "/configs/bench.yaml", sets);
+}
+
+TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {
+  dhp::testing::TempDir dir("plan_auto");
+  setenv("DHP_CALIBRATION_DIR", dir.path().c_str(), 1);
+  write_machine(dir.path().string(), 1e-5);  // fast collectives
+  std::string why;
+  const auto fast = dhp::train::resolve_auto(auto_config(), 2, &why);
+  EXPECT_EQ(fast.parallel.strategy, "custom");
+  EXPECT_NE(why.find("predicted"), std::string::npos) << why;
+  EXPECT_NO_THROW(dhp::train::resolve_layouts(fast, 2));
+  // Deterministic: every rank reads the same file and makes the same choice.
+  const auto again = dhp::train::resolve_auto(auto_config(), 2);
+  EXPECT_EQ(dhp::train::describe(dhp::train::resolve_layouts(again, 2)),
+            dhp::train::describe(dhp::train::resolve_layouts(fast, 2)));
+  // The choice is the cost model's fastest plan.
+  const auto c = cluster_preset("localx2");
+  const auto m = auto_config().model.config;
+  double best = 1e30;
+  Workload w;
+  w.vision_tokens = 256;
+  w.batch_size = 4;
+  std::tie(w.text_tokens, w.target_tokens) = dhp::train::shapes_text_tokens(auto_config());
+  for (const auto& p : candidate_plans(m, c, "dhp")) {
+    const auto e = estimate(m, c, w, p);
+    if (e.fits) best = std::min(best, e.step_s);
+  }
+  char predicted[64];
+  std::snprintf(predicted, sizeof(predicted), "predicted %.3f s/step", best);
+  EXPECT_NE(why.find(predicted), std::string::npos) << why << " vs " << predicted;
+  // Collectives of a second each: the layout with the fewest calls per step wins (replicas
+  // of whole modules: one gradient all-reduce or ZeRO-3's per-layer gathers lose to dp).
+  write_machine(dir.path().string(), 1.0);
+  const auto slow = dhp::train::resolve_auto(auto_config(), 2, &why);
+  EXPECT_EQ(slow.parallel.vision.strategy, "dp") << why;
+  EXPECT_EQ(slow.parallel.text.strategy, "dp") << why;
+  // Other strategies pass through; one rank runs none.
+  EXPECT_EQ(dhp::train::resolve_auto(auto_config({"parallel.strategy=tp"}), 2).parallel.strategy, "tp");
+  EXPECT_EQ(dhp::train::resolve_auto(auto_config(), 1).parallel.strategy, "none");
+  // Nothing fits 1 MiB: an error that says what to change.
+  try {
+    dhp::train::resolve_auto(auto_config({"training.memory_limit=1MiB"}), 2);
+    FAIL() << "no error";
+  } catch (const dhp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no plan fits"), std::string::npos) << e.what();
+  }
+  unsetenv("DHP_CALIBRATION_DIR");
+  // No calibration: the error names the command.
+  dhp::testing::TempDir empty("plan_auto_empty");
+  setenv("DHP_CALIBRATION_DIR", empty.path().c_str(), 1);
+  try {
+    dhp::train::resolve_auto(auto_config(), 2);
+    FAIL() << "no error";
+  } catch (const dhp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dhp plan --calibrate"), std::string::npos) << e.what();
+  }
+  unsetenv("DHP_CALIBRATION_DIR");
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <functional>
@@ -28,6 +29,7 @@
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 #include "dhp/plan/calibrate.h"
+#include "dhp/train/auto_plan.h"
 #include "dhp/plan/report.h"
 #include "launch.h"
 
@@ -218,6 +220,14 @@ int cmd_train(int argc, char** argv, int first) {
   }
   if (!env) {
     DHP_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
+    if (cfg.parallel.strategy == "auto" && a.nproc > 1 &&
+        !std::filesystem::exists(dhp::train::auto_calibration_path(a.nproc))) {
+      dhp::log_info("parallel.strategy=auto: no calibration of this machine as " + std::to_string(a.nproc) +
+                    " ranks yet; measuring it once (dhp plan --calibrate --ranks " + std::to_string(a.nproc) + ")");
+      dhp::plan::CalibrateOptions co;
+      co.ranks = a.nproc;
+      dhp::plan::calibrate_local(co);
+    }
     dhp::train::resolve_layouts(cfg, a.nproc);  // refuse an impossible layout before any worker starts
     if (a.nproc > 1 || a.max_restarts > 0) {
       return dhp::launch::run_workers(a.nproc, std::vector<std::string>(argv, argv + argc), a.max_restarts);
@@ -478,20 +488,7 @@ int cmd_plan(int argc, char** argv, int first) {
     if (!precision_given) o.workload.precision = cfg.training.precision;
     if (!ckpt_given) o.workload.checkpointing = cfg.training.activation_checkpointing;
     if (!text_given && cfg.data.dataset == "shapes") {  // the task's mean text and answer tokens
-      dhp::data::ShapesOptions so;
-      so.min_side = so.max_side = 112;
-      dhp::data::ShapesDataset ds(m, so);
-      int64_t text = 0, targets = 0;
-      const int n = 64;
-      for (int i = 0; i < n; ++i) {
-        const auto smp = ds.get(i, false);
-        int64_t image = 0;
-        for (const auto& g : smp.grids) image += g[0] * g[1] * g[2] / (m.vision.spatial_merge_size * m.vision.spatial_merge_size);
-        text += static_cast<int64_t>(smp.ids.size()) - image;
-        targets += dhp::data::num_targets(smp);
-      }
-      o.workload.text_tokens = (text + n / 2) / n;
-      o.workload.target_tokens = std::max<int64_t>(1, (targets + n / 2) / n);
+      std::tie(o.workload.text_tokens, o.workload.target_tokens) = dhp::train::shapes_text_tokens(cfg);
     }
   } else {
     m = dhp::qwen::preset(model);

@@ -76,8 +76,8 @@ void Config::validate() const {
   parse_bytes(training.memory_limit, "training.memory_limit");
   {
     const auto& s = parallel.strategy;
-    DHP_CHECK(s == "none" || s == "dhp" || s == "tp" || s == "zero3" || s == "dp" || s == "custom",
-              "parallel.strategy='", s, "' is not one of none, dhp, tp, zero3, dp, custom");
+    DHP_CHECK(s == "none" || s == "dhp" || s == "tp" || s == "zero3" || s == "dp" || s == "custom" || s == "auto",
+              "parallel.strategy='", s, "' is not one of none, dhp, tp, zero3, dp, custom, auto");
     DHP_CHECK(parallel.timeout_s > 0, "parallel.timeout_s must be > 0, got ", parallel.timeout_s);
     DHP_CHECK(s != "custom" || (!parallel.vision.strategy.empty() && !parallel.text.strategy.empty()),
               "parallel.strategy=custom needs parallel.vision.strategy and parallel.text.strategy");

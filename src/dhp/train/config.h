@@ -134,7 +134,8 @@ struct ParallelOptions {
   void visit(V& v) {
     v.field("strategy", strategy,
             "none (one process), dhp (vision sp + ZeRO-1, text tp), tp (both tp), zero3 (both zero3), "
-            "dp (both data-parallel) or custom (parallel.vision / parallel.text say)");
+            "dp (both data-parallel), custom (parallel.vision / parallel.text say) or auto (the planner picks the "
+            "fastest layout that fits this machine, from dhp plan --calibrate; logged with the reason)");
     v.field("timeout_s", timeout_s, "seconds a collective or the rendezvous may wait before the job fails");
     v.field("pipeline", pipeline,
             "when vision and text run on disjoint ranks, encode micro-batch i+1 while the text ranks work on i "

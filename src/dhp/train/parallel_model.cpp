@@ -1,5 +1,7 @@
 #include "dhp/train/parallel_model.h"
 
+#include "dhp/train/auto_plan.h"
+
 #include <torch/torch.h>
 
 #include <chrono>
@@ -89,6 +91,7 @@ qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
 
 Layouts resolve_layouts(const Config& cfg, int64_t world) {
   DHP_CHECK(world >= 1, "the job needs at least one rank, got ", world);
+  if (cfg.parallel.strategy == "auto") return resolve_layouts(resolve_auto(cfg, world), world);
   const auto& p = cfg.parallel;
   DHP_CHECK(p.strategy != "none" || world == 1 || !p.vision.strategy.empty() || !p.text.strategy.empty() ||
                 !p.vision.ranks.empty() || !p.text.ranks.empty(),

@@ -21,6 +21,7 @@
 #include "dhp/io/checkpoint_store.h"
 #include "dhp/io/json.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
+#include "dhp/train/auto_plan.h"
 #include "dhp/train/flops.h"
 
 namespace dhp::train {
@@ -72,6 +73,11 @@ std::string metrics_json(const StepMetrics& m) {
 
 Trainer::Trainer(const Config& cfg, const Runtime& rt)
     : cfg_(cfg), rt_(rt) {
+  if (cfg_.parallel.strategy == "auto") {
+    std::string why;
+    cfg_ = resolve_auto(cfg_, rt_.world, &why);
+    if (rt_.rank == 0) log_info(why);
+  }
   if (cfg_.data.dataset == "llava") {
     const auto& d = cfg_.data;
     data::LoaderOptions o;

@@ -1,0 +1,143 @@
+#include "dhp/train/auto_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+
+#include "dhp/core/error.h"
+#include "dhp/core/memory.h"
+#include "dhp/data/shapes.h"
+#include "dhp/plan/calibrate.h"
+#include "dhp/plan/cost_model.h"
+#include "dhp/train/parallel_model.h"
+
+namespace dhp::train {
+
+std::string auto_calibration_path(int64_t world) { return plan::default_calibration_path(world); }
+
+std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg) {
+  const auto& m = cfg.model.config;
+  data::ShapesOptions so;
+  so.min_side = so.max_side = 112;
+  data::ShapesDataset ds(m, so);
+  int64_t text = 0, targets = 0;
+  const int n = 64;
+  for (int i = 0; i < n; ++i) {
+    const auto s = ds.get(i, false);
+    int64_t image = 0;
+    for (const auto& g : s.grids) image += g[0] * g[1] * g[2] / (m.vision.spatial_merge_size * m.vision.spatial_merge_size);
+    text += static_cast<int64_t>(s.ids.size()) - image;
+    targets += data::num_targets(s);
+  }
+  return {(text + n / 2) / n, std::max<int64_t>(1, (targets + n / 2) / n)};
+}
+
+Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
+  if (cfg.parallel.strategy != "auto") return cfg;
+  Config out = cfg;
+  auto& p = out.parallel;
+  p.vision = ModuleParallelOptions();
+  p.text = ModuleParallelOptions();
+  if (world == 1) {
+    p.strategy = "none";
+    if (why) *why = "parallel.strategy=auto on one rank: none";
+    return out;
+  }
+  auto c = plan::cluster_preset("localx" + std::to_string(world));
+  if (const int64_t limit = parse_bytes(cfg.training.memory_limit, "training.memory_limit"); limit > 0) {
+    c.memory_bytes = static_cast<double>(limit);
+    c.reserved_bytes = 0;
+  }
+  // The workload: the typical image of the data, its text, the configured batch.
+  const auto& m = cfg.model.config;
+  const int64_t unit = m.vision.patch_size * m.vision.spatial_merge_size;
+  plan::Workload w;
+  int64_t side = 0;
+  if (cfg.data.dataset == "shapes") {
+    side = unit * std::max<int64_t>(1, std::llround(0.5 * static_cast<double>(cfg.data.min_side + cfg.data.max_side) /
+                                                    static_cast<double>(unit)));
+    std::tie(w.text_tokens, w.target_tokens) = shapes_text_tokens(cfg);
+  } else {  // llava: the largest image the processor makes (the memory bound), 64 text tokens
+    side = unit * std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(cfg.data.max_pixels))) / unit);
+  }
+  const int64_t patches_side = side / m.vision.patch_size;
+  w.vision_tokens = patches_side * patches_side;
+  w.batch_size = cfg.data.pack_tokens > 0 ? std::max<int64_t>(1, cfg.data.pack_tokens / std::max<int64_t>(1, w.tokens_per_sample(m.vision.spatial_merge_size))) * cfg.training.micro_batches
+                                          : cfg.data.batch_size;
+  w.micro_batches = cfg.training.micro_batches;
+  w.precision = cfg.training.precision;
+  w.checkpointing = cfg.training.activation_checkpointing;
+  std::vector<plan::Estimate> ok;
+  std::map<std::string, int64_t> reasons;
+  for (const auto& cand : plan::candidate_plans(m, c, "dhp")) {
+    auto e = plan::estimate(m, c, w, cand);
+    if (!e.fits) {
+      const auto key = e.reason.substr(0, e.reason.find(':'));
+      ++reasons[key.size() < 60 ? key : e.reason.substr(0, 60)];
+      continue;
+    }
+    ok.push_back(e);
+  }
+  std::stable_sort(ok.begin(), ok.end(), [](const plan::Estimate& a, const plan::Estimate& b) { return a.step_s < b.step_s; });
+  auto to_options = [&](const plan::ModuleStrategy& s, int64_t first) {
+    ModuleParallelOptions o;
+    o.strategy = s.kind;
+    if (s.kind == "sp") o.sp = s.degree;
+    if (s.kind == "tp") o.tp = s.degree;
+    if (s.kind == "sp" || s.kind == "tp") o.dp = s.dp;
+    for (int64_t r = 0; r < s.ranks(); ++r) o.ranks.push_back(first + r);
+    return o;
+  };
+  std::string rejected_by_dhp;
+  for (const auto& e : ok) {
+    Config trial = out;
+    trial.parallel.strategy = "custom";
+    trial.parallel.vision = to_options(e.plan.vision, 0);
+    trial.parallel.text = to_options(e.plan.text, e.plan.disjoint ? e.plan.vision.ranks() : 0);
+    try {
+      resolve_layouts(trial, world);  // what the planner allows, the runtime must too
+    } catch (const Error& err) {
+      if (rejected_by_dhp.empty()) rejected_by_dhp = e.plan.describe() + ": " + err.what();
+      continue;
+    }
+    if (why) {
+      char line[256];
+      std::snprintf(line, sizeof(line),
+                    "parallel.strategy=auto on %lld ranks (%s): %s, predicted %.3f s/step, %.0f MiB per rank "
+                    "(of %.0f)",
+                    static_cast<long long>(world), auto_calibration_path(world).c_str(), e.plan.describe().c_str(),
+                    e.step_s, e.memory_bytes / 1048576.0, e.capacity_bytes / 1048576.0);
+      *why = line;
+      int shown = 0;
+      for (const auto& r : ok) {
+        if (&r == &e || shown == 3) continue;
+        std::snprintf(line, sizeof(line), "\n  then %s: %.3f s/step (%+.0f%%)", r.plan.describe().c_str(), r.step_s,
+                      100 * (r.step_s / e.step_s - 1));
+        *why += line;
+        ++shown;
+      }
+      int64_t total = 0;
+      std::string list;
+      for (const auto& [k, n] : reasons) {
+        total += n;
+        list += (list.empty() ? "" : "; ") + std::to_string(n) + "x " + k;
+      }
+      if (total) *why += "\n  " + std::to_string(total) + " plan(s) rejected: " + list;
+      if (!rejected_by_dhp.empty()) *why += "\n  skipped (the runtime refused): " + rejected_by_dhp;
+      std::snprintf(line, sizeof(line), "\n  workload: %lld patches per image (%lld px), %lld text tokens, batch %lld, %s%s",
+                    static_cast<long long>(w.vision_tokens), static_cast<long long>(side),
+                    static_cast<long long>(w.text_tokens), static_cast<long long>(w.batch_size), w.precision.c_str(),
+                    w.checkpointing ? ", activation checkpointing" : "");
+      *why += line;
+    }
+    return trial;
+  }
+  std::string list;
+  for (const auto& [k, n] : reasons) list += (list.empty() ? "" : "; ") + std::to_string(n) + "x " + k;
+  DHP_FAIL("parallel.strategy=auto: no plan fits ", world, " ranks of this machine (", list,
+           rejected_by_dhp.empty() ? std::string() : "; " + rejected_by_dhp,
+           "); lower data.batch_size, raise training.memory_limit or enable activation checkpointing");
+}
+
+}  // namespace dhp::train

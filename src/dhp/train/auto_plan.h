@@ -1,0 +1,26 @@
+// parallel.strategy: auto: the planner (docs/cost_model.md) picks the layout for the machine
+// the job runs on, from its calibration (dhp plan --calibrate --ranks N), the model and the
+// data of the config, and says why.
+#pragma once
+
+#include <string>
+
+#include "dhp/train/config.h"
+
+namespace dhp::train {
+
+// The config with parallel.strategy=auto replaced by the fastest predicted layout that
+// fits on `world` ranks of this machine (unchanged for any other strategy). Deterministic
+// for a given calibration file, so every rank of a job makes the same choice. `why` gets a
+// few lines: the choice, its predicted step time and memory, the runners-up, and how many
+// plans were rejected and for what. Throws when the calibration file is missing (naming
+// the command that makes it) or no plan fits.
+Config resolve_auto(const Config& cfg, int64_t world, std::string* why = nullptr);
+
+// The calibration file resolve_auto reads for `world` ranks.
+std::string auto_calibration_path(int64_t world);
+
+// Mean text tokens (besides the image's) and answer tokens of the shapes task's samples.
+std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg);
+
+}  // namespace dhp::train
