@@ -111,6 +111,11 @@ TEST(PlanFormulas, GemmRooflineAndRingCollectives) {
   EXPECT_DOUBLE_EQ(all_gather_seconds(c.intra, 4, 1e6), 1e-3 + 0.75 * 1e-3);
   EXPECT_DOUBLE_EQ(all_to_all_seconds(c.intra, 2, 1e6), 1e-3 + 0.5 * 1e-3);
   EXPECT_EQ(all_reduce_seconds(c.intra, 1, 1e9), 0);
+  // Measured per-collective bandwidths (Gloo differs by collective) take over when given.
+  const Link l{1e9, 0, 5e8, 2e8};
+  EXPECT_DOUBLE_EQ(all_reduce_seconds(l, 2, 1e6), 1e-3);
+  EXPECT_DOUBLE_EQ(all_gather_seconds(l, 2, 1e6), 1e-3);
+  EXPECT_DOUBLE_EQ(all_to_all_seconds(l, 2, 1e6), 2.5e-3);
 }
 
 Workload reference_workload(int64_t vision_tokens, int64_t batch) {

@@ -144,12 +144,17 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     c.attention_flops = 3.5 * fwd_flops / secs;  // the model charges forward 1x + backward 2.5x
     say("attention " + std::to_string(c.attention_flops / 1e9) + " GFLOP/s per rank");
   }
-  // Collectives over loopback (Gloo): latency from a small all-reduce, bus bandwidth from 16 MB.
+  // Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
+  // 16 MB all-reduce, all-gather and all-to-all buffers.
   if (R > 1) {
     auto store = dist::make_hash_store();
-    std::vector<double> small(static_cast<size_t>(R)), large(static_cast<size_t>(R));
+    struct Times {
+      double small = 0, reduce = 0, gather = 0, a2a = 0;
+    };
+    std::vector<Times> t(static_cast<size_t>(R));
     std::vector<int64_t> ranks;
     for (int64_t r = 0; r < R; ++r) ranks.push_back(r);
+    const int64_t big = 4 << 20;  // floats: 16 MB
     std::vector<std::thread> th;
     std::mutex mu;
     std::string error;
@@ -157,10 +162,15 @@ Cluster calibrate_local(const CalibrateOptions& o) {
       th.emplace_back([&, r] {
         try {
           dist::Group g(store, "calibrate", ranks, r, std::chrono::milliseconds(60000));
+          auto& mine = t[static_cast<size_t>(r)];
           auto s = torch::ones({256});
-          small[static_cast<size_t>(r)] = best_of(20, [&] { g.all_reduce_sum_(s); });
-          auto l = torch::ones({4 << 20});
-          large[static_cast<size_t>(r)] = best_of(3, [&] { g.all_reduce_sum_(l); });
+          mine.small = best_of(20, [&] { g.all_reduce_sum_(s); });
+          auto l = torch::ones({big});
+          mine.reduce = best_of(3, [&] { g.all_reduce_sum_(l); });
+          auto part = torch::ones({big / R});  // gathered into the full 16 MB
+          mine.gather = best_of(3, [&] { (void)g.all_gather(part, 0); });
+          std::vector<int64_t> rows(static_cast<size_t>(R), big / R);
+          mine.a2a = best_of(3, [&] { (void)g.all_to_all(l, rows, rows); });
         } catch (const std::exception& e) {
           std::lock_guard<std::mutex> lock(mu);
           error = e.what();
@@ -169,16 +179,24 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     }
     for (auto& x : th) x.join();
     DHP_CHECK(error.empty(), "calibrating the collectives: ", error);
-    const double lat = *std::max_element(small.begin(), small.end());
-    const double big = *std::max_element(large.begin(), large.end());
-    const double bytes = 4.0 * (4 << 20);
+    auto slowest = [&](double Times::*f) {
+      double m = 0;
+      for (const auto& x : t) m = std::max(m, x.*f);
+      return m;
+    };
+    const double lat = slowest(&Times::small), bytes = 4.0 * static_cast<double>(big);
+    const double frac = static_cast<double>(R - 1) / static_cast<double>(R);
+    auto bw = [&](double secs, double factor) { return factor * frac * bytes / std::max(secs - lat, 1e-9); };
     c.intra.latency_s = lat;
-    c.intra.bus_bandwidth = 2.0 * static_cast<double>(R - 1) / static_cast<double>(R) * bytes / std::max(big - lat, 1e-9);
+    c.intra.bus_bandwidth = bw(slowest(&Times::reduce), 2);
+    c.intra.gather_bandwidth = bw(slowest(&Times::gather), 1);
+    c.intra.a2a_bandwidth = bw(slowest(&Times::a2a), 1);
     c.inter = c.intra;
-    say("all-reduce latency " + std::to_string(lat * 1e3) + " ms, bus bandwidth " +
-        std::to_string(c.intra.bus_bandwidth / 1e9) + " GB/s");
+    say("collectives: latency " + std::to_string(lat * 1e3) + " ms; bus bandwidth all-reduce " +
+        std::to_string(c.intra.bus_bandwidth / 1e9) + ", all-gather " + std::to_string(c.intra.gather_bandwidth / 1e9) +
+        ", all-to-all " + std::to_string(c.intra.a2a_bandwidth / 1e9) + " GB/s");
   } else {
-    c.intra = c.inter = {1e12, 0};
+    c.intra = c.inter = {1e12, 0, 0, 0};
   }
   c.source = "measured by dhp plan --calibrate with " + std::to_string(R) + " rank(s) x " + std::to_string(o.threads) +
              " thread(s)";
@@ -206,10 +224,12 @@ void save_cluster(const Cluster& c, const std::string& path) {
   j.set("hbm_bandwidth", io::Json(c.hbm_bandwidth));
   j.set("hbm_efficiency", io::Json(c.hbm_efficiency));
   j.set("launch_s", io::Json(c.launch_s));
-  j.set("intra_bus_bandwidth", io::Json(c.intra.bus_bandwidth));
-  j.set("intra_latency_s", io::Json(c.intra.latency_s));
-  j.set("inter_bus_bandwidth", io::Json(c.inter.bus_bandwidth));
-  j.set("inter_latency_s", io::Json(c.inter.latency_s));
+  for (const auto& [prefix, l] : {std::pair<std::string, const Link*>{"intra", &c.intra}, {"inter", &c.inter}}) {
+    j.set(prefix + "_bus_bandwidth", io::Json(l->bus_bandwidth));
+    j.set(prefix + "_gather_bandwidth", io::Json(l->gather_bandwidth));
+    j.set(prefix + "_a2a_bandwidth", io::Json(l->a2a_bandwidth));
+    j.set(prefix + "_latency_s", io::Json(l->latency_s));
+  }
   j.set("source", io::Json(c.source));
   const std::filesystem::path p(path);
   if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
@@ -247,8 +267,16 @@ Cluster load_local_cluster(const std::string& path) {
   c.hbm_bandwidth = num("hbm_bandwidth");
   c.hbm_efficiency = num("hbm_efficiency");
   c.launch_s = num("launch_s");
-  c.intra = {num("intra_bus_bandwidth"), num("intra_latency_s")};
-  c.inter = {num("inter_bus_bandwidth"), num("inter_latency_s")};
+  auto link = [&](const std::string& p) {
+    auto opt = [&](const std::string& k) {
+      const auto* v = j.find(p + k);
+      return v ? v->number(what + " " + p + k) : 0.0;
+    };
+    return Link{num((p + "_bus_bandwidth").c_str()), num((p + "_latency_s").c_str()), opt("_gather_bandwidth"),
+                opt("_a2a_bandwidth")};
+  };
+  c.intra = link("intra");
+  c.inter = link("inter");
   c.source = j.at("source", what).str(what + " source");
   DHP_CHECK(c.flops_bf16 > 0 && c.flops_fp32 > 0 && c.hbm_bandwidth > 0 && c.devices_per_node >= 1, path,
             ": calibration figures must be positive; run `dhp plan --calibrate` again");

@@ -355,10 +355,13 @@ double all_reduce_seconds(const Link& l, int64_t n, double bytes) {
 
 double all_gather_seconds(const Link& l, int64_t n, double bytes) {
   if (n <= 1) return 0;
-  return l.latency_s + static_cast<double>(n - 1) / static_cast<double>(n) * bytes / l.bus_bandwidth;
+  return l.latency_s + static_cast<double>(n - 1) / static_cast<double>(n) * bytes / l.gather();
 }
 
-double all_to_all_seconds(const Link& l, int64_t n, double bytes) { return all_gather_seconds(l, n, bytes); }
+double all_to_all_seconds(const Link& l, int64_t n, double bytes) {
+  if (n <= 1) return 0;
+  return l.latency_s + static_cast<double>(n - 1) / static_cast<double>(n) * bytes / l.a2a();
+}
 
 double vision_image_flops(const qwen::VisionConfig& v, int64_t gh, int64_t gw) {
   std::vector<int64_t> index, cu;

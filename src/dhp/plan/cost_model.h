@@ -21,10 +21,15 @@
 
 namespace dhp::plan {
 
-// A link's collective performance: NCCL-style bus bandwidth (bytes/s) and a latency per call.
+// A link's collective performance: NCCL-style bus bandwidth (bytes/s) of all-reduce, of
+// all-gather / reduce-scatter and of all-to-all (0: the all-reduce's), and a latency per call.
 struct Link {
   double bus_bandwidth = 0;
   double latency_s = 0;
+  double gather_bandwidth = 0;
+  double a2a_bandwidth = 0;
+  double gather() const { return gather_bandwidth > 0 ? gather_bandwidth : bus_bandwidth; }
+  double a2a() const { return a2a_bandwidth > 0 ? a2a_bandwidth : bus_bandwidth; }
 };
 
 struct Cluster {
