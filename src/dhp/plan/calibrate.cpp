@@ -93,6 +93,73 @@ Cluster calibrate_local(const CalibrateOptions& o) {
   c.attention_efficiency = 1;
   c.attention_tile = 1;   // dhp's CPU attention batches short segments densely
   const int64_t R = o.ranks;
+  // Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
+  // 16 MB all-reduce, all-gather and all-to-all buffers. First, before the compute kernels
+  // leave thread pools spinning on the cores the Gloo threads need.
+  if (R > 1) {
+    auto store = dist::make_hash_store();
+    // Each call starts after a barrier (no skew carried over from the previous one); a call
+    // takes the slowest rank's time; the fastest of the repetitions counts (the link's
+    // capability: on a shared machine the others measure the neighbours).
+    constexpr int kReps = 9;
+    enum { kSmall, kReduce, kGather, kA2a, kKinds };
+    std::vector<std::vector<std::vector<double>>> t(
+        static_cast<size_t>(R), std::vector<std::vector<double>>(kKinds, std::vector<double>(kReps)));
+    std::vector<int64_t> ranks;
+    for (int64_t r = 0; r < R; ++r) ranks.push_back(r);
+    const int64_t big = 4 << 20;  // floats: 16 MB
+    std::vector<std::thread> th;
+    std::mutex mu;
+    std::string error;
+    for (int64_t r = 0; r < R; ++r) {
+      th.emplace_back([&, r] {
+        try {
+          dist::Group g(store, "calibrate", ranks, r, std::chrono::milliseconds(60000));
+          auto s = torch::ones({256}), l = torch::ones({big}), part = torch::ones({big / R});
+          std::vector<int64_t> rows(static_cast<size_t>(R), big / R);
+          const std::function<void()> ops[kKinds] = {[&] { g.all_reduce_sum_(s); }, [&] { g.all_reduce_sum_(l); },
+                                                     [&] { (void)g.all_gather(part, 0); },
+                                                     [&] { (void)g.all_to_all(l, rows, rows); }};
+          for (int k = 0; k < kKinds; ++k) {
+            ops[k]();  // warm-up
+            for (int i = 0; i < kReps; ++i) {
+              g.barrier();
+              const auto t0 = Clock::now();
+              ops[k]();
+              t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(i)] = seconds_since(t0);
+            }
+          }
+        } catch (const std::exception& e) {
+          std::lock_guard<std::mutex> lock(mu);
+          error = e.what();
+        }
+      });
+    }
+    for (auto& x : th) x.join();
+    DHP_CHECK(error.empty(), "calibrating the collectives: ", error);
+    auto best_of_slowest = [&](int k) {
+      std::vector<double> per_call;
+      for (int i = 0; i < kReps; ++i) {
+        double m = 0;
+        for (int64_t r = 0; r < R; ++r) m = std::max(m, t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(i)]);
+        per_call.push_back(m);
+      }
+      return *std::min_element(per_call.begin(), per_call.end());
+    };
+    const double lat = best_of_slowest(kSmall), bytes = 4.0 * static_cast<double>(big);
+    const double frac = static_cast<double>(R - 1) / static_cast<double>(R);
+    auto bw = [&](double secs, double factor) { return factor * frac * bytes / std::max(secs - lat, 1e-9); };
+    c.intra.latency_s = lat;
+    c.intra.bus_bandwidth = bw(best_of_slowest(kReduce), 2);
+    c.intra.gather_bandwidth = bw(best_of_slowest(kGather), 1);
+    c.intra.a2a_bandwidth = bw(best_of_slowest(kA2a), 1);
+    c.inter = c.intra;
+    say("collectives: latency " + std::to_string(lat * 1e3) + " ms; bus bandwidth all-reduce " +
+        std::to_string(c.intra.bus_bandwidth / 1e9) + ", all-gather " + std::to_string(c.intra.gather_bandwidth / 1e9) +
+        ", all-to-all " + std::to_string(c.intra.a2a_bandwidth / 1e9) + " GB/s");
+  } else {
+    c.intra = c.inter = {1e12, 0, 0, 0};
+  }
   // GEMM rate per rank with every rank busy, at a shape the models' GEMMs reach.
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     const int64_t n = 512;
@@ -143,60 +210,6 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     const double fwd_flops = 4.0 * S * S * D * H;
     c.attention_flops = 3.5 * fwd_flops / secs;  // the model charges forward 1x + backward 2.5x
     say("attention " + std::to_string(c.attention_flops / 1e9) + " GFLOP/s per rank");
-  }
-  // Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
-  // 16 MB all-reduce, all-gather and all-to-all buffers.
-  if (R > 1) {
-    auto store = dist::make_hash_store();
-    struct Times {
-      double small = 0, reduce = 0, gather = 0, a2a = 0;
-    };
-    std::vector<Times> t(static_cast<size_t>(R));
-    std::vector<int64_t> ranks;
-    for (int64_t r = 0; r < R; ++r) ranks.push_back(r);
-    const int64_t big = 4 << 20;  // floats: 16 MB
-    std::vector<std::thread> th;
-    std::mutex mu;
-    std::string error;
-    for (int64_t r = 0; r < R; ++r) {
-      th.emplace_back([&, r] {
-        try {
-          dist::Group g(store, "calibrate", ranks, r, std::chrono::milliseconds(60000));
-          auto& mine = t[static_cast<size_t>(r)];
-          auto s = torch::ones({256});
-          mine.small = best_of(20, [&] { g.all_reduce_sum_(s); });
-          auto l = torch::ones({big});
-          mine.reduce = best_of(3, [&] { g.all_reduce_sum_(l); });
-          auto part = torch::ones({big / R});  // gathered into the full 16 MB
-          mine.gather = best_of(3, [&] { (void)g.all_gather(part, 0); });
-          std::vector<int64_t> rows(static_cast<size_t>(R), big / R);
-          mine.a2a = best_of(3, [&] { (void)g.all_to_all(l, rows, rows); });
-        } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(mu);
-          error = e.what();
-        }
-      });
-    }
-    for (auto& x : th) x.join();
-    DHP_CHECK(error.empty(), "calibrating the collectives: ", error);
-    auto slowest = [&](double Times::*f) {
-      double m = 0;
-      for (const auto& x : t) m = std::max(m, x.*f);
-      return m;
-    };
-    const double lat = slowest(&Times::small), bytes = 4.0 * static_cast<double>(big);
-    const double frac = static_cast<double>(R - 1) / static_cast<double>(R);
-    auto bw = [&](double secs, double factor) { return factor * frac * bytes / std::max(secs - lat, 1e-9); };
-    c.intra.latency_s = lat;
-    c.intra.bus_bandwidth = bw(slowest(&Times::reduce), 2);
-    c.intra.gather_bandwidth = bw(slowest(&Times::gather), 1);
-    c.intra.a2a_bandwidth = bw(slowest(&Times::a2a), 1);
-    c.inter = c.intra;
-    say("collectives: latency " + std::to_string(lat * 1e3) + " ms; bus bandwidth all-reduce " +
-        std::to_string(c.intra.bus_bandwidth / 1e9) + ", all-gather " + std::to_string(c.intra.gather_bandwidth / 1e9) +
-        ", all-to-all " + std::to_string(c.intra.a2a_bandwidth / 1e9) + " GB/s");
-  } else {
-    c.intra = c.inter = {1e12, 0, 0, 0};
   }
   c.source = "measured by dhp plan --calibrate with " + std::to_string(R) + " rank(s) x " + std::to_string(o.threads) +
              " thread(s)";
