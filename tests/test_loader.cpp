@@ -367,4 +367,25 @@ TEST(LlavaTraining, PackedDataParallelTrainsLikeOneProcess) {
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * one[i]) << "step " << i + 1;
 }
 
+// Held-out evaluation from files: the eval files' good samples, at most one epoch (a bad one
+// skipped, none repeated), their mean answer loss; the shapes task refuses eval files.
+TEST(LlavaTraining, EvaluatesHeldOutFiles) {
+  dhp::testing::TempDir dir("loader_eval");
+  dhp::data::write_synthetic(dir.path().string(), 8, dhp::qwen::preset("demo"), shapes_options());
+  auto so = shapes_options();
+  so.seed = 99;  // other images and answers
+  dhp::data::write_synthetic((dir.path() / "eval").string(), 6, dhp::qwen::preset("demo"), so);
+  fs::remove(dir.path() / "eval" / "images" / "000002.png");
+  const auto eval_file = (dir.path() / "eval" / "train.jsonl").string();
+  dhp::train::Trainer t(llava_config(dir.path().string(), {"data.eval_files=[" + eval_file + "]"}));
+  const auto before = t.evaluate(100);
+  EXPECT_EQ(before.samples, 5);  // 6 records, one without its image, no repeats
+  EXPECT_GT(before.loss, 0);
+  for (int i = 0; i < 3; ++i) t.train_step();
+  const auto after = t.evaluate(3);
+  EXPECT_EQ(after.samples, 3);
+  EXPECT_LT(after.loss, before.loss);  // the same task: training lowers the held-out loss
+  EXPECT_THROW(dhp::load_config("", {"data.eval_files=[x.jsonl]"}), dhp::Error);
+}
+
 }  // namespace

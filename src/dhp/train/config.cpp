@@ -40,6 +40,11 @@ void Config::validate() const {
             "' is not supported; available: shapes, llava");
   if (data.dataset == "llava") {
     DHP_CHECK(!data.files.empty(), "data.dataset=llava needs data.files (annotation files)");
+  } else {
+    DHP_CHECK(data.eval_files.empty(), "data.eval_files is for data.dataset=llava (the shapes task makes its own ",
+              "held-out set)");
+  }
+  if (data.dataset == "llava") {
     DHP_CHECK(data.fractions.empty() || data.fractions.size() == data.files.size(), "data.fractions has ",
               data.fractions.size(), " entries for ", data.files.size(), " data.files");
     for (double f : data.fractions) DHP_CHECK(f >= 0, "data.fractions must be >= 0, got ", f);

@@ -36,6 +36,7 @@ struct DataOptions {
   // dataset: llava
   std::vector<std::string> files;  // annotation files (JSON or JSONL)
   std::vector<double> fractions;   // per file: records per epoch = fraction x records (empty = all 1)
+  std::vector<std::string> eval_files;  // held-out annotation files (empty = no evaluation)
   std::string root;                // image root (empty: each file's directory)
   std::string tokenizer = "third_party/qwen-tokenizer/tokenizer.json";
   int64_t max_length = 2048;       // tokens per sample (longer: cut after the last image, or skipped)
@@ -56,6 +57,7 @@ struct DataOptions {
     v.field("seed", seed, "dataset seed");
     v.field("files", files, "llava: annotation files, JSON arrays or JSONL of {image, conversations}");
     v.field("fractions", fractions, "llava: per file, records drawn per epoch as a fraction of its records (empty = 1 each)");
+    v.field("eval_files", eval_files, "llava: held-out annotation files evaluated at the end (up to eval_samples; empty = none)");
     v.field("root", root, "llava: directory the image paths are relative to (empty = each file's directory)");
     v.field("tokenizer", tokenizer, "llava: Hugging Face tokenizer.json (Qwen2 family; scripts/fetch_tokenizer.sh)");
     v.field("max_length", max_length, "llava: tokens per sample; longer ones are cut after their last image or skipped");

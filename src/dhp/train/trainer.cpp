@@ -105,6 +105,12 @@ Trainer::Trainer(const Config& cfg, const Runtime& rt)
     DHP_CHECK(tok->vocab_size() <= mc.text.vocab_size, "model.text.vocab_size=", mc.text.vocab_size, " is smaller than ",
               d.tokenizer, "'s ", tok->vocab_size(), " tokens");
     llava_ = std::make_shared<data::LlavaDataset>(o, tok);
+    if (!d.eval_files.empty()) {
+      data::LoaderOptions e = o;
+      e.datasets.clear();
+      for (const auto& f : d.eval_files) e.datasets.push_back({f, d.root, 1.0});
+      llava_eval_ = std::make_shared<data::LlavaDataset>(e, tok);
+    }
   } else {
     train_data_ = std::make_unique<data::ShapesDataset>(cfg.model.config, shapes_options(cfg, 0));
     eval_data_ = std::make_unique<data::ShapesDataset>(cfg.model.config, shapes_options(cfg, 1));
@@ -403,11 +409,36 @@ StepMetrics Trainer::train_step() {
   return m;
 }
 
+int64_t Trainer::eval_size(int64_t wanted) const {
+  return llava_eval_ ? std::min(wanted, llava_eval_->epoch_size()) : wanted;
+}
+
+std::vector<data::Sample> Trainer::eval_samples(int64_t start, int64_t count) {
+  std::vector<data::Sample> out;
+  if (eval_data_) {
+    for (int64_t i = start; i < start + count; ++i) out.push_back(eval_data_->get(i));
+    return out;
+  }
+  if (!eval_loader_) eval_loader_ = std::make_unique<data::Loader>(llava_eval_, 0, 0, 1, cfg_.data.workers, cfg_.data.prefetch);
+  // One epoch at most: bad held-out samples are skipped (counted by the loader), never repeated.
+  while (static_cast<int64_t>(eval_cache_.size()) < start + count &&
+         eval_loader_->position() < llava_eval_->epoch_size()) {
+    auto s = eval_loader_->next();
+    if (eval_loader_->position() > llava_eval_->epoch_size()) break;  // wrapped into the next epoch
+    eval_cache_.push_back(std::move(s));
+  }
+  for (int64_t i = start; i < std::min<int64_t>(start + count, static_cast<int64_t>(eval_cache_.size())); ++i) {
+    out.push_back(eval_cache_[static_cast<size_t>(i)]);
+  }
+  return out;
+}
+
 EvalResult Trainer::evaluate(int64_t num_samples) {
-  if (!eval_data_) {
-    if (is_main()) log_info("no held-out evaluation for data.dataset=" + cfg_.data.dataset);
+  if (!eval_data_ && !llava_eval_) {
+    if (is_main()) log_info("no held-out evaluation for data.dataset=" + cfg_.data.dataset + " without data.eval_files");
     return {};
   }
+  num_samples = eval_size(num_samples);
   if (parallel_->plain()) return evaluate_model(model(), num_samples);
   // Sharded: rank 0 evaluates a single-process copy of the full parameters.
   auto full = parallel_->full_parameters();
@@ -431,8 +462,8 @@ EvalResult Trainer::evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samp
   std::vector<int64_t> slot_hits, slot_total;
   const int64_t chunk = std::max<int64_t>(1, cfg_.data.batch_size);
   for (int64_t start = 0; start < num_samples; start += chunk) {
-    std::vector<data::Sample> samples;
-    for (int64_t i = start; i < std::min(num_samples, start + chunk); ++i) samples.push_back(eval_data_->get(i));
+    auto samples = eval_samples(start, std::min(num_samples, start + chunk) - start);
+    if (samples.empty()) break;  // the held-out files had fewer good samples
     auto b = data::collate(samples, cfg_.model.config);
     auto logits = model.target_logits(b);  // (n, vocab), target positions in order
     auto sel = b.targets.ne(-100).nonzero().squeeze(-1);
@@ -575,15 +606,18 @@ EvalResult Trainer::run() {
           << "}\n";
   char line[256];
   if (ev.samples > 0) {
+    char chance[48] = "";
+    if (train_data_) {
+      std::snprintf(chance, sizeof(chance), " (chance %.1f%%)", 100.0 / static_cast<double>(train_data_->num_answers()));
+    }
     std::snprintf(line, sizeof(line),
-                  "done in %s: loss %.4f -> %.4f; held-out exact match %lld/%lld = %.1f%% (chance %.1f%%)",
-                  fmt_duration(train_s).c_str(), first_loss, last_loss, static_cast<long long>(ev.exact),
-                  static_cast<long long>(ev.samples), 100 * ev.accuracy,
-                  100.0 / static_cast<double>(train_data_->num_answers()));
+                  "done in %s: loss %.4f -> %.4f; held-out loss %.4f, exact match %lld/%lld = %.1f%%%s",
+                  fmt_duration(train_s).c_str(), first_loss, last_loss, ev.loss, static_cast<long long>(ev.exact),
+                  static_cast<long long>(ev.samples), 100 * ev.accuracy, chance);
   } else {
-    std::snprintf(line, sizeof(line), llava_ ? "done in %s: loss %.4f -> %.4f (no held-out evaluation for llava data)"
-                                             : "done in %s: loss %.4f -> %.4f (no held-out evaluation: data.eval_samples=0)",
-                  fmt_duration(train_s).c_str(), first_loss, last_loss);
+    std::snprintf(line, sizeof(line), "done in %s: loss %.4f -> %.4f (no held-out evaluation: %s)",
+                  fmt_duration(train_s).c_str(), first_loss, last_loss,
+                  llava_ && !llava_eval_ ? "no data.eval_files" : "data.eval_samples=0");
   }
   log_info(line);
   std::string slots = "held-out token accuracy per answer position:";

@@ -84,12 +84,19 @@ class Trainer {
  private:
   // checkpoint.resume (constructor): nothing, a directory, or the newest usable one.
   void resume();
+  // Held-out samples [start, start + count) (shapes: generated; llava: the eval files' good
+  // samples in their seeded order, at most one epoch).
+  std::vector<data::Sample> eval_samples(int64_t start, int64_t count);
+  int64_t eval_size(int64_t wanted) const;  // how many held-out samples exist, up to wanted
   EvalResult evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samples);
   Config cfg_;
   Runtime rt_;
   std::unique_ptr<ParallelModel> parallel_;
   std::unique_ptr<data::ShapesDataset> train_data_, eval_data_;  // data.dataset=shapes
   std::shared_ptr<const data::LlavaDataset> llava_;               // data.dataset=llava
+  std::shared_ptr<const data::LlavaDataset> llava_eval_;          // data.eval_files
+  std::unique_ptr<data::Loader> eval_loader_;                     // reads llava_eval_ from its start
+  std::vector<data::Sample> eval_cache_;                          // the held-out samples read so far
   std::unique_ptr<data::Loader> loader_;                          // created at the first step
   // The stream position of the next sample a step will use (a packed micro-batch's
   // look-ahead that did not fit counts as unused).
