@@ -408,6 +408,7 @@ int cmd_plan(int argc, char** argv, int first) {
           "  --calibrate            measure this machine (GEMM, element-wise bandwidth, op overhead,\n"
           "                         attention, Gloo all-reduce) and save it for --cluster localxN\n"
           "  --ranks N, --threads N ranks measured at once and intra-op threads each (default 2, 1)\n"
+          "  --calibrate-precision P  dtype of the element-wise measurement: bf16 (default) or fp32\n"
           "  --out FILE             where --calibrate writes (default runs/plan/local-xN.json)\n"
           "  --against FILE         predict every point of a dhp bench results.json (its strategies,\n"
           "                         lengths, batches and memory limit) and print the error per point\n"
@@ -458,6 +459,8 @@ int cmd_plan(int argc, char** argv, int first) {
       json = next();
     } else if (f == "--calibrate") {
       calibrate = true;
+    } else if (f == "--calibrate-precision") {
+      co.precision = next();
     } else if (f == "--ranks") {
       co.ranks = parse_int(f, next());
     } else if (f == "--threads") {

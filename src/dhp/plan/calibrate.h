@@ -17,6 +17,7 @@ struct CalibrateOptions {
   std::string out;        // file to write (empty: default_calibration_path(ranks))
   int64_t ranks = 2;      // ranks for the collective measurements (threads, loopback)
   int64_t threads = 1;    // intra-op threads per rank (the trainer gives each rank cores / ranks)
+  std::string precision = "bf16";  // dtype of the element-wise measurement (the training's)
   bool quiet = false;
 };
 
