@@ -109,6 +109,7 @@ Cluster calibrate_local(const CalibrateOptions& o) {
   c.hbm_efficiency = 1;
   c.attention_efficiency = 1;
   c.attention_tile = 1;   // dhp's CPU attention batches short segments densely
+  c.half_all_reduce_in_fp32 = true;  // Gloo has no bf16 sum: dhp widens to fp32 (dist/comm.cpp)
   const int64_t R = o.ranks;
   // Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
   // 16 MB all-reduce, all-gather and all-to-all buffers. First, before the compute kernels
@@ -278,6 +279,7 @@ void save_cluster(const Cluster& c, const std::string& path) {
   j.set("hbm_bandwidth", io::Json(c.hbm_bandwidth));
   j.set("hbm_efficiency", io::Json(c.hbm_efficiency));
   j.set("launch_s", io::Json(c.launch_s));
+  j.set("half_all_reduce_in_fp32", io::Json(c.half_all_reduce_in_fp32));
   for (const auto& [prefix, l] : {std::pair<std::string, const Link*>{"intra", &c.intra}, {"inter", &c.inter}}) {
     j.set(prefix + "_bus_bandwidth", io::Json(l->bus_bandwidth));
     j.set(prefix + "_gather_bandwidth", io::Json(l->gather_bandwidth));
@@ -321,6 +323,7 @@ Cluster load_local_cluster(const std::string& path) {
   c.hbm_bandwidth = num("hbm_bandwidth");
   c.hbm_efficiency = num("hbm_efficiency");
   c.launch_s = num("launch_s");
+  if (const auto* w = j.find("half_all_reduce_in_fp32")) c.half_all_reduce_in_fp32 = w->boolean(what + " half_all_reduce_in_fp32");
   auto link = [&](const std::string& p) {
     auto opt = [&](const std::string& k) {
       const auto* v = j.find(p + k);

@@ -128,6 +128,9 @@ Shape shape_of(const ModuleStrategy& s) {
 
 double dtype_bytes(const std::string& precision) { return precision == "fp32" ? 4 : 2; }
 
+// Bytes per element an all-reduce moves: bf16 goes as fp32 where the backend cannot sum it.
+double all_reduce_elem_bytes(const Cluster& c, double b) { return c.half_all_reduce_in_fp32 && b == 2 ? 4 : b; }
+
 // Model states per rank of a module with `params` parameters (of which `sharded` follow the
 // tensor-parallel split), by strategy.
 double module_state_bytes(const Conventions& cv, const ModuleStrategy& s, double params, const std::string& precision) {
@@ -165,10 +168,10 @@ void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, doub
     const double b = params * gbytes;
     tl.collective(2 * all_gather_seconds(l, n, b), 2 * b * (n - 1) / n, 2);
   } else if (s.kind == "tp" && s.dp > 1) {
-    const double b = params / static_cast<double>(s.degree) * gbytes;
+    const double b = params / static_cast<double>(s.degree) * all_reduce_elem_bytes(c, gbytes);
     tl.collective(all_reduce_seconds(link_for(c, n), s.dp, b), 2 * b * (s.dp - 1) / s.dp, 1);
   } else if (s.kind == "dp") {
-    const double b = params * gbytes;
+    const double b = params * all_reduce_elem_bytes(c, gbytes);
     tl.collective(all_reduce_seconds(l, n, b), 2 * b * (n - 1) / n, 1);
   }
 }
@@ -438,9 +441,10 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
       // the SwiGLU product (3I) are split.
       tl.elementwise(b * M * (10 * h + (4 * h + 3 * I) / t), 12);
       if (s.kind == "tp") {  // row-parallel outputs forward (and recomputed), each column-parallel input grad backward
-        const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, b * M * h);
+        const double ab = all_reduce_elem_bytes(c, b);
+        const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, ab * M * h);
         const int64_t calls = (w.checkpointing ? 4 : 2) + (cv.vision_fused_qkv ? 3 : 5);
-        tl.collective(calls * ar, calls * 2 * b * M * h * (t - 1) / t, calls);
+        tl.collective(calls * ar, calls * 2 * ab * M * h * (t - 1) / t, calls);
       }
       if (s.kind == "sp" && full.count(l)) {  // q, k, v to heads and the output back, each pass
         const double a2a = all_to_all_seconds(link_for(c, s.degree), s.degree, b * M * h);
@@ -453,7 +457,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
     tl.gemm(M / unit, unit * h / t, unit * h);
     tl.gemm(M / unit, out, unit * h / t);
     if (s.kind == "tp") {
-      const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, b * M / unit * out);
+      const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, all_reduce_elem_bytes(c, b) * M / unit * out);
       tl.collective((w.checkpointing ? 3 : 2) * ar, 0, w.checkpointing ? 3 : 2);
     }
     zero3_layer_collectives(tl, c, s, static_cast<double>(vision_block_params(v)), static_cast<double>(v.depth), b,
@@ -505,7 +509,8 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
     tl.elementwise(b * M * h * 2, 1);  // embedding lookup
     if (s.kind == "tp") {
-      tl.collective(all_reduce_seconds(tl_link, sh.t, b * M * h), 2 * b * M * h * (t - 1) / t, 1);
+      const double ab = all_reduce_elem_bytes(c, b);
+      tl.collective(all_reduce_seconds(tl_link, sh.t, ab * M * h), 2 * ab * M * h * (t - 1) / t, 1);
     }
     for (int64_t l = 0; l < tc.num_layers; ++l) {
       tl.gemm(M, h / t, h);  // q, k, v: separate linears (HF's text attention)
@@ -518,9 +523,10 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
       tl.attention(4 * hd * heads / t * samples_mb * padded_causal_pairs(L, tile));
       tl.elementwise(b * M * (10 * h + (2 * h + 2 * kv + 3 * I) / t), 12);
       if (s.kind == "tp") {  // o and down forward (and recomputed); q, k, v, gate, up input grads backward
-        const double ar = all_reduce_seconds(tl_link, sh.t, b * M * h);
+        const double ab = all_reduce_elem_bytes(c, b);
+        const double ar = all_reduce_seconds(tl_link, sh.t, ab * M * h);
         const int64_t calls = (w.checkpointing ? 4 : 2) + 5;
-        tl.collective(calls * ar, calls * 2 * b * M * h * (t - 1) / t, calls);
+        tl.collective(calls * ar, calls * 2 * ab * M * h * (t - 1) / t, calls);
       }
     }
     // Final norm, lm_head (vocabulary split under tp), softmax cross-entropy in fp32.
@@ -529,7 +535,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
     cost.elementwise_s += 3 * elementwise_seconds(c, 4 * logit_rows * V / t * 3, 6);
     if (s.kind == "tp") {
       tl.collective(3 * all_reduce_seconds(tl_link, sh.t, 8 * logit_rows) +
-                        all_reduce_seconds(tl_link, sh.t, b * logit_rows * h),
+                        all_reduce_seconds(tl_link, sh.t, all_reduce_elem_bytes(c, b) * logit_rows * h),
                     2 * b * logit_rows * h * (t - 1) / t, 4);
     }
     zero3_layer_collectives(tl, c, s, static_cast<double>(text_layer_params(tc)), layers, b, w.checkpointing);

@@ -48,6 +48,7 @@ struct Cluster {
   double hbm_bandwidth = 0;         // bytes/s per device
   double hbm_efficiency = 0;        // fraction reached by element-wise kernels
   double launch_s = 0;              // fixed cost per kernel
+  bool half_all_reduce_in_fp32 = false;  // bf16 all-reduces carried as fp32 (dhp on Gloo, which cannot sum bf16)
   Link intra, inter;                // inside a node, across nodes
   std::string source;               // where the numbers come from
   int64_t devices() const { return devices_per_node * nodes; }
