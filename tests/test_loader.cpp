@@ -202,6 +202,27 @@ dhp::Config llava_config(const std::string& dir, std::vector<std::string> extra)
   return dhp::load_config("", sets);
 }
 
+// Rank 0's losses of `steps` steps of `cfg` on 2 ranks (threads).
+std::vector<double> losses_on_two_ranks(const dhp::Config& cfg, int steps) {
+  std::vector<double> out;
+  std::mutex mu;
+  dhp::testing::run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {
+    dhp::train::Runtime rt;
+    rt.rank = rank;
+    rt.world = 2;
+    rt.store = std::make_shared<dhp::dist::Store>(store);
+    rt.timeout = dhp::testing::kTestTimeout;
+    dhp::train::Trainer t(cfg, rt);
+    std::vector<double> l;
+    for (int i = 0; i < steps; ++i) l.push_back(t.train_step().loss);
+    if (rank == 0) {
+      std::lock_guard<std::mutex> lock(mu);
+      out = l;
+    }
+  });
+  return out;
+}
+
 TEST(LlavaTraining, ResumesBitExactlyWithTheDataPosition) {
   dhp::testing::TempDir dir("loader_train");
   dhp::data::write_synthetic(dir.path().string(), 10, dhp::qwen::preset("demo"), shapes_options());
@@ -236,22 +257,7 @@ TEST(LlavaTraining, DhpOnTwoRanksTrainsLikeOneProcess) {
     for (int i = 0; i < 2; ++i) one.push_back(t.train_step().loss);
   }
   const auto cfg = llava_config(dir.path().string(), {"parallel.strategy=dhp"});
-  std::vector<double> two;
-  std::mutex mu;
-  dhp::testing::run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {
-    dhp::train::Runtime rt;
-    rt.rank = rank;
-    rt.world = 2;
-    rt.store = std::make_shared<dhp::dist::Store>(store);
-    rt.timeout = dhp::testing::kTestTimeout;
-    dhp::train::Trainer t(cfg, rt);
-    std::vector<double> l;
-    for (int i = 0; i < 2; ++i) l.push_back(t.train_step().loss);
-    if (rank == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      two = l;
-    }
-  });
+  const auto two = losses_on_two_ranks(cfg, 2);
   ASSERT_EQ(two.size(), 2u);
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * one[i]) << "step " << i + 1;
 }
@@ -347,22 +353,7 @@ TEST(LlavaTraining, PackedDataParallelTrainsLikeOneProcess) {
   auto dp = pack;
   dp.push_back("parallel.strategy=dp");
   const auto cfg = llava_config(dir.path().string(), dp);
-  std::vector<double> two;
-  std::mutex mu;
-  dhp::testing::run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {
-    dhp::train::Runtime rt;
-    rt.rank = rank;
-    rt.world = 2;
-    rt.store = std::make_shared<dhp::dist::Store>(store);
-    rt.timeout = dhp::testing::kTestTimeout;
-    dhp::train::Trainer t(cfg, rt);
-    std::vector<double> l;
-    for (int i = 0; i < 2; ++i) l.push_back(t.train_step().loss);
-    if (rank == 0) {
-      std::lock_guard<std::mutex> lock(mu);
-      two = l;
-    }
-  });
+  const auto two = losses_on_two_ranks(cfg, 2);
   ASSERT_EQ(two.size(), 2u);
   for (int i = 0; i < 2; ++i) EXPECT_NEAR(two[i], one[i], 1e-5 * one[i]) << "step " << i + 1;
 }

@@ -178,7 +178,7 @@ TEST(PlanSearch, FastestFirstAndEveryRejectionExplained) {
   for (const auto& e : ok) EXPECT_TRUE(e.fits) << e.plan.describe();
   for (const auto& e : rejected) EXPECT_FALSE(e.reason.empty()) << e.plan.describe();
   // Colocated and disjoint plans were considered: 4 devices give 3 vision x 3 text choices...
-  EXPECT_GE(candidate_plans(m, c, "dhp").size(), 9u + 3u);
+  EXPECT_GE(candidate_plans(c, "dhp").size(), 9u + 3u);
 }
 
 TEST(PlanClusters, SpecsAndErrors) {
@@ -298,7 +298,7 @@ TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {
   w.vision_tokens = 256;
   w.batch_size = 4;
   std::tie(w.text_tokens, w.target_tokens) = dhp::train::shapes_text_tokens(auto_config());
-  for (const auto& p : candidate_plans(m, c, "dhp")) {
+  for (const auto& p : candidate_plans(c, "dhp")) {
     const auto e = estimate(m, c, w, p);
     if (e.fits) best = std::min(best, e.step_s);
   }

@@ -502,22 +502,11 @@ int cmd_plan(int argc, char** argv, int first) {
     c.reserved_bytes = 0;
   }
   if (!against.empty()) {
-    if (memory.empty()) {  // the bench's per-rank limit
-      std::ifstream rf(against);
-      DHP_CHECK(rf.good(), "cannot read --against ", against);
-      std::stringstream rs;
-      rs << rf.rdbuf();
-      const auto j = dhp::io::Json::parse(rs.str(), against);
-      if (const auto* lim = j.at("settings", against).find("memory_limit"); lim && lim->is_string() && !lim->str().empty()) {
-        c.memory_bytes = static_cast<double>(dhp::parse_bytes(lim->str(), against + " settings.memory_limit"));
-        c.reserved_bytes = 0;
-      }
-    }
     std::printf("dhp plan --against %s: %s on %s, %s%s, %lld text tokens (%lld with a loss) per sample\n\n",
                 against.c_str(), model_name.c_str(), c.name.c_str(), o.workload.precision.c_str(),
                 o.workload.checkpointing ? ", activation checkpointing" : "",
                 static_cast<long long>(o.workload.text_tokens), static_cast<long long>(o.workload.target_tokens));
-    const auto v = dhp::plan::validate(m, c, o.workload, against);
+    const auto v = dhp::plan::validate(m, c, o.workload, against, !memory.empty());
     std::printf("%s", v.table.c_str());
     return 0;
   }

@@ -66,18 +66,6 @@ double concurrent_median(int64_t ranks, int reps, const std::function<std::funct
   return t[t.size() / 2];
 }
 
-// Best of `reps` timings of fn (after a warm-up).
-double best_of(int reps, const std::function<void()>& fn) {
-  fn();
-  double best = 1e30;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    best = std::min(best, seconds_since(t0));
-  }
-  return best;
-}
-
 int64_t physical_memory() {
   const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
   return pages > 0 && size > 0 ? static_cast<int64_t>(pages) * size : 0;

@@ -634,7 +634,7 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
   return e;
 }
 
-std::vector<Plan> candidate_plans(const qwen::ModelConfig& m, const Cluster& c, const std::string& conv) {
+std::vector<Plan> candidate_plans(const Cluster& c, const std::string& conv) {
   const int64_t G = c.devices();
   auto module_options = [&](int64_t n, bool vision) {
     std::vector<ModuleStrategy> out;
@@ -649,7 +649,6 @@ std::vector<Plan> candidate_plans(const qwen::ModelConfig& m, const Cluster& c, 
     }
     out.push_back({"zero3", 1, n});
     out.push_back({"dp", 1, n});
-    (void)m;
     return out;
   };
   std::vector<Plan> plans;
@@ -682,7 +681,7 @@ std::vector<Plan> candidate_plans(const qwen::ModelConfig& m, const Cluster& c, 
 std::vector<Estimate> search(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const std::string& conv,
                              std::vector<Estimate>* rejected) {
   std::vector<Estimate> ok;
-  for (const auto& p : candidate_plans(m, c, conv)) {
+  for (const auto& p : candidate_plans(c, conv)) {
     Estimate best;
     bool have = false;
     Estimate last_bad;

@@ -144,7 +144,7 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
 
 // Every plan the search considers on c.devices() ranks: each module none/sp/tp/zero3/dp
 // with every degree and replica count that divides the devices, colocated or disjoint.
-std::vector<Plan> candidate_plans(const qwen::ModelConfig& m, const Cluster& c, const std::string& conventions);
+std::vector<Plan> candidate_plans(const Cluster& c, const std::string& conventions);
 
 // The feasible estimates of every candidate, fastest first, and the infeasible ones with
 // their reasons (in `rejected`).

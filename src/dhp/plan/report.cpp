@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "dhp/core/error.h"
+#include "dhp/core/memory.h"
 #include "dhp/io/json.h"
 
 namespace dhp::plan {
@@ -104,8 +105,7 @@ std::vector<StudyPoint> study(const qwen::ModelConfig& m, const Cluster& c, cons
     std::vector<Estimate> all;
     for (int64_t b : batches) {
       w.batch_size = b;
-      std::vector<Estimate> rejected;
-      auto ok = search(m, c, w, o.conventions == "reference" ? "reference" : o.conventions,
+      auto ok = search(m, c, w, o.conventions,
                        b == batches.front() ? &p.rejected : nullptr);
       all.insert(all.end(), ok.begin(), ok.end());
     }
@@ -222,7 +222,8 @@ std::string study_json(const std::string& model, const Cluster& c, const StudyOp
   return root.dump(2) + "\n";
 }
 
-Validation validate(const qwen::ModelConfig& m, const Cluster& c, const Workload& base, const std::string& path) {
+Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base, const std::string& path,
+                    bool memory_given) {
   std::ifstream f(path);
   DHP_CHECK(f.good(), "cannot read bench results ", path, " (dhp bench writes DIR/results.json)");
   std::stringstream ss;
@@ -230,6 +231,10 @@ Validation validate(const qwen::ModelConfig& m, const Cluster& c, const Workload
   const auto root = io::Json::parse(ss.str(), path);
   const auto& settings = root.at("settings", path);
   const int64_t nproc = settings.at("nproc", path + " settings").integer(path + " settings.nproc");
+  if (const auto* lim = settings.find("memory_limit"); !memory_given && lim && lim->is_string() && !lim->str().empty()) {
+    c.memory_bytes = static_cast<double>(parse_bytes(lim->str(), path + " settings.memory_limit"));
+    c.reserved_bytes = 0;
+  }
   DHP_CHECK(nproc == c.devices(), path, " was measured on ", nproc, " ranks but the cluster ", c.name, " has ",
             c.devices(), "; use --cluster localx", nproc);
   Validation v;

@@ -43,7 +43,9 @@ std::string study_json(const std::string& model, const Cluster& c, const StudyOp
 
 // Predicted against measured: every point of a `dhp bench` results.json (strategy, vision
 // length, the batch it ran) predicted with the same workload on `c`, error per point, and
-// per vision length whether the predicted order of the strategies is the measured one.
+// per vision length whether the predicted order of the strategies is the measured one. The
+// bench's per-rank memory limit (settings.memory_limit) is the devices' memory unless
+// `memory_given` (the caller set it).
 struct ValidationRow {
   std::string strategy;
   int64_t vision_tokens = 0, batch_size = 0;
@@ -57,6 +59,7 @@ struct Validation {
   int64_t lengths = 0, rankings_matched = 0;
   std::string table;
 };
-Validation validate(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const std::string& results_json);
+Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& w, const std::string& results_json,
+                    bool memory_given = false);
 
 }  // namespace dhp::plan

@@ -70,7 +70,7 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
   w.checkpointing = cfg.training.activation_checkpointing;
   std::vector<plan::Estimate> ok;
   std::map<std::string, int64_t> reasons;
-  for (const auto& cand : plan::candidate_plans(m, c, "dhp")) {
+  for (const auto& cand : plan::candidate_plans(c, "dhp")) {
     auto e = plan::estimate(m, c, w, cand);
     if (!e.fits) {
       const auto key = e.reason.substr(0, e.reason.find(':'));
@@ -89,6 +89,12 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
     for (int64_t r = 0; r < s.ranks(); ++r) o.ranks.push_back(first + r);
     return o;
   };
+  int64_t rejected = 0;  // by the cost model, summarised by reason
+  std::string reasons_list;
+  for (const auto& [k, n] : reasons) {
+    rejected += n;
+    reasons_list += (reasons_list.empty() ? "" : "; ") + std::to_string(n) + "x " + k;
+  }
   std::string rejected_by_dhp;
   for (const auto& e : ok) {
     Config trial = out;
@@ -117,13 +123,7 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
         *why += line;
         ++shown;
       }
-      int64_t total = 0;
-      std::string list;
-      for (const auto& [k, n] : reasons) {
-        total += n;
-        list += (list.empty() ? "" : "; ") + std::to_string(n) + "x " + k;
-      }
-      if (total) *why += "\n  " + std::to_string(total) + " plan(s) rejected: " + list;
+      if (rejected) *why += "\n  " + std::to_string(rejected) + " plan(s) rejected: " + reasons_list;
       if (!rejected_by_dhp.empty()) *why += "\n  skipped (the runtime refused): " + rejected_by_dhp;
       std::snprintf(line, sizeof(line), "\n  workload: %lld patches per image (%lld px), %lld text tokens, batch %lld, %s%s",
                     static_cast<long long>(w.vision_tokens), static_cast<long long>(side),
@@ -133,9 +133,7 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
     }
     return trial;
   }
-  std::string list;
-  for (const auto& [k, n] : reasons) list += (list.empty() ? "" : "; ") + std::to_string(n) + "x " + k;
-  DHP_FAIL("parallel.strategy=auto: no plan fits ", world, " ranks of this machine (", list,
+  DHP_FAIL("parallel.strategy=auto: no plan fits ", world, " ranks of this machine (", reasons_list,
            rejected_by_dhp.empty() ? std::string() : "; " + rejected_by_dhp,
            "); lower data.batch_size, raise training.memory_limit or enable activation checkpointing");
 }
