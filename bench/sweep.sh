@@ -14,7 +14,7 @@ sweep() {
   local out=bench/results/sweep_${n}rank
   mkdir -p "$out"
   ./build/dhp bench --config configs/bench.yaml --strategies dhp,tp,zero3 --vision-tokens "$tokens" \
-    --batch-sizes 1,2,4 --memory-limit "$limit" --nproc "$n" --steps 4 --warmup 1 \
+    --batch-sizes 1,2,4 --memory-limit "$limit" --nproc "$n" --steps 5 --warmup 2 \
     --out "runs/sweep_${n}rank" "$@"
   cp "runs/sweep_${n}rank/table.md" "runs/sweep_${n}rank/results.json" "$out/"
   [ -f "runs/sweep_${n}rank/throughput.png" ] && cp "runs/sweep_${n}rank/throughput.png" "$out/"

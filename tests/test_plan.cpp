@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <map>
 
 #include "dhp/core/error.h"
 #include "dhp/models/qwen2_5_vl/vision.h"
@@ -116,6 +118,84 @@ TEST(PlanFormulas, GemmRooflineAndRingCollectives) {
   EXPECT_DOUBLE_EQ(all_reduce_seconds(l, 2, 1e6), 1e-3);
   EXPECT_DOUBLE_EQ(all_gather_seconds(l, 2, 1e6), 1e-3);
   EXPECT_DOUBLE_EQ(all_to_all_seconds(l, 2, 1e6), 2.5e-3);
+}
+
+TEST(PlanFormulas, DhpCpuAttentionPairs) {
+  Cluster flash;
+  flash.attention_tile = 128;
+  // Flash tiles: 200 tokens = 2 tiles of 128: 4 whole tiles, or the 3 on and below the diagonal.
+  EXPECT_DOUBLE_EQ(attention_pairs(flash, 200, false), 4.0 * 128 * 128);
+  EXPECT_DOUBLE_EQ(attention_pairs(flash, 200, true), 3.0 * 128 * 128);
+  Cluster cpu;
+  cpu.attention_tile = 1;
+  cpu.attention_block = 256;
+  // Up to the block: padded to the next power of two, the whole square even when causal.
+  EXPECT_DOUBLE_EQ(attention_pairs(cpu, 83, true), 128.0 * 128);
+  EXPECT_DOUBLE_EQ(attention_pairs(cpu, 64, false), 64.0 * 64);
+  EXPECT_DOUBLE_EQ(attention_pairs(cpu, 256, false), 256.0 * 256);
+  // Longer: query blocks of 256 against every key, or (causal) the keys up to the block's end.
+  EXPECT_DOUBLE_EQ(attention_pairs(cpu, 1024, false), 1024.0 * 1024);
+  EXPECT_DOUBLE_EQ(attention_pairs(cpu, 275, true), 256.0 * 256 + 19.0 * 275);
+  EXPECT_DOUBLE_EQ(attention_pairs(cpu, 600, true), 256.0 * 256 + 256.0 * 512 + 88.0 * 600);
+}
+
+TEST(PlanFormulas, CollectiveWaitAfterComputeInterpolates) {
+  Link l{1e9, 1e-4};
+  EXPECT_DOUBLE_EQ(l.sync_seconds(0.5), 1e-4);  // no table: the latency
+  l.sync_interval_s = {1e-3, 1e-2, 1e-1};
+  l.sync_cost_s = {2e-3, 4e-3, 1e-2};
+  EXPECT_DOUBLE_EQ(l.sync_seconds(1e-4), 2e-3);  // held flat beyond the ends
+  EXPECT_DOUBLE_EQ(l.sync_seconds(1.0), 1e-2);
+  EXPECT_DOUBLE_EQ(l.sync_seconds(5.5e-3), 3e-3);  // linear between the points
+  EXPECT_DOUBLE_EQ(l.sync_seconds(5.5e-2), 7e-3);
+}
+
+// A calibrated machine's measured terms enter the estimate as documented: the update per
+// parameter each rank updates, the synthetic samples per patch (only for the shapes task),
+// the wait at each collective for its compute interval, and dhp's ZeRO-3 units.
+TEST(PlanEstimate, CalibratedTermsOfTheLocalMachine) {
+  const auto m = dhp::load_config(std::string(DHP_SOURCE_DIR) + "/configs/bench.yaml", {}).model.config;
+  auto c = toy_cluster();
+  c.devices_per_node = 2;
+  c.attention_flops = 1e10;
+  c.optimizer_s_per_param = 1e-9;
+  c.synthetic_s_per_patch = 1e-5;
+  Workload w;
+  w.vision_tokens = 256;
+  w.batch_size = 4;
+  w.text_tokens = 19;
+  w.target_tokens = 6;
+  const auto pc = dhp::qwen::count_parameters(m);
+  const auto tp = estimate(m, c, w, named_plan("tp", 2));
+  ASSERT_GT(tp.step_s, 0) << tp.reason;
+  EXPECT_DOUBLE_EQ(tp.vision.optimizer_s, static_cast<double>(pc.vision) / 2 * 1e-9);
+  EXPECT_DOUBLE_EQ(tp.text.optimizer_s, static_cast<double>(pc.text) / 2 * 1e-9);
+  EXPECT_EQ(tp.input_s, 0);  // samples from a loader: prepared ahead
+  EXPECT_EQ(tp.vision.sync_s, 0);  // no measured table: latency only
+  auto ws = w;
+  ws.synthetic_data = true;
+  const auto tps = estimate(m, c, ws, named_plan("tp", 2));
+  EXPECT_DOUBLE_EQ(tps.input_s, 4 * 256 * 1e-5);
+  EXPECT_NEAR(tps.step_s - tp.step_s, tps.input_s, 1e-12);
+  // With a wait table every call pays its interval's cost beyond the latency.
+  auto cs = c;
+  cs.intra.sync_interval_s = {1e-9, 1e3};
+  cs.intra.sync_cost_s = {5e-3, 5e-3};
+  const auto waits = estimate(m, cs, w, named_plan("tp", 2));
+  EXPECT_NEAR(waits.vision.sync_s, static_cast<double>(waits.vision.comm_calls) * (5e-3 - 1e-3), 1e-12);
+  EXPECT_NEAR(waits.text.sync_s, static_cast<double>(waits.text.comm_calls) * (5e-3 - 1e-3), 1e-12);
+  EXPECT_DOUBLE_EQ(waits.step_sync_s, 5e-3);
+  EXPECT_NEAR(waits.step_s - tp.step_s, waits.vision.sync_s + waits.text.sync_s + 5e-3, 1e-12);
+  // dhp's ZeRO-3: per unit two gathers and one all-to-all reduce-scatter; text units are the
+  // layers, the embedding and the head; vision ones the blocks, the patch embedding and the merger.
+  const auto z = estimate(m, c, w, named_plan("zero3", 2));
+  EXPECT_EQ(z.text.comm_calls, 3 * (m.text.num_layers + 2));
+  EXPECT_EQ(z.vision.comm_calls, 3 * (m.vision.depth + 2));
+  // DeepSpeed's (deepspeed conventions): three gathers with checkpointing and a reduce-scatter per layer.
+  auto pz = named_plan("zero3", 2);
+  pz.conventions = "deepspeed";
+  const auto ds = estimate(m, c, w, pz);
+  EXPECT_EQ(ds.vision.comm_calls, 4 * m.vision.depth);
 }
 
 Workload reference_workload(int64_t vision_tokens, int64_t batch) {
@@ -224,6 +304,19 @@ TEST(PlanCalibration, MeasuresThisMachineAndReadsBack) {
   unsetenv("DHP_CALIBRATION_DIR");
   EXPECT_EQ(back.flops_fp32, c.flops_fp32);
   EXPECT_EQ(back.intra.bus_bandwidth, c.intra.bus_bandwidth);
+  // The waits at collectives after compute: a table that grows with the interval measured.
+  ASSERT_EQ(c.intra.sync_interval_s.size(), 5u);
+  EXPECT_EQ(back.intra.sync_interval_s, c.intra.sync_interval_s);
+  EXPECT_EQ(back.intra.sync_cost_s, c.intra.sync_cost_s);
+  for (size_t i = 0; i < c.intra.sync_cost_s.size(); ++i) EXPECT_GE(c.intra.sync_cost_s[i], c.intra.latency_s);
+  for (size_t i = 1; i < c.intra.sync_interval_s.size(); ++i) {
+    EXPECT_GT(c.intra.sync_interval_s[i], c.intra.sync_interval_s[i - 1]);
+  }
+  EXPECT_GT(c.optimizer_s_per_param, 0);
+  EXPECT_EQ(back.optimizer_s_per_param, c.optimizer_s_per_param);
+  EXPECT_GT(c.synthetic_s_per_patch, 0);
+  EXPECT_EQ(back.synthetic_s_per_patch, c.synthetic_s_per_patch);
+  EXPECT_EQ(back.attention_block, 256);
   EXPECT_EQ(back.devices(), 2);
   EXPECT_THROW(load_local_cluster((dir.path() / "none.json").string()), dhp::Error);
 }
@@ -263,6 +356,7 @@ void write_machine(const std::string& dir, double latency_s) {
   c.gemm_efficiency = c.attention_efficiency = c.hbm_efficiency = 1;
   c.attention_flops = 5e10;
   c.attention_tile = 1;
+  c.attention_block = 256;
   c.hbm_bandwidth = 5e9;
   c.launch_s = 1e-6;
   c.intra = c.inter = {2e9, latency_s};
@@ -275,6 +369,52 @@ dhp::Config auto_config(std::vector<std::string> extra = {}) {
                                    "data.max_side=224"};
   sets.insert(sets.end(), extra.begin(), extra.end());
   return dhp::load_config(std::string(DHP_SOURCE_DIR) + "/configs/bench.yaml", sets);
+}
+
+// dhp plan --against: the error per point, the points within 20%, and the order of each
+// pair of strategies, pairs measured within the tie margin set apart.
+TEST(PlanValidate, ErrorsTiesAndPairOrder) {
+  dhp::testing::TempDir dir("plan_validate");
+  write_machine(dir.path().string(), 1e-4);
+  setenv("DHP_CALIBRATION_DIR", dir.path().c_str(), 1);
+  const auto c = cluster_preset("localx2");
+  unsetenv("DHP_CALIBRATION_DIR");
+  const auto cfg = auto_config();
+  Workload w;
+  w.vision_tokens = 256;
+  w.synthetic_data = true;
+  std::tie(w.text_tokens, w.target_tokens) = dhp::train::shapes_text_tokens(cfg);
+  w.batch_size = 4;
+  std::map<std::string, double> predicted;
+  for (const char* s : {"dhp", "tp", "zero3"}) predicted[s] = estimate(cfg.model.config, c, w, named_plan(s, 2)).step_s;
+  // Measured: dhp 1.0 s, zero3 1.02 s (2% apart: a tie), tp 2.0 s.
+  const std::map<std::string, double> measured{{"dhp", 1.0}, {"zero3", 1.02}, {"tp", 2.0}};
+  const auto path = (dir.path() / "results.json").string();
+  {
+    std::ofstream f(path);
+    f << "{\"settings\": {\"nproc\": 2, \"memory_limit\": \"\", \"batch_sizes\": [4]}, \"points\": [";
+    bool first = true;
+    for (const auto& [s, t] : measured) {
+      f << (first ? "" : ", ") << "{\"strategy\": \"" << s << "\", \"vision_tokens\": 256, \"batch_size\": 4, "
+        << "\"oom\": false, \"step_time_s\": " << t << ", \"peak_bytes_per_rank\": [1e8, 1e8]}";
+      first = false;
+    }
+    f << "]}\n";
+  }
+  const auto v = validate(cfg.model.config, c, w, path);
+  ASSERT_EQ(v.rows.size(), 3u);
+  int64_t within = 0;
+  for (const auto& r : v.rows) {
+    EXPECT_DOUBLE_EQ(r.predicted_s, predicted.at(r.strategy)) << r.strategy;
+    EXPECT_DOUBLE_EQ(r.error(), predicted.at(r.strategy) / measured.at(r.strategy) - 1) << r.strategy;
+    within += std::fabs(r.error()) <= 0.2;
+  }
+  EXPECT_EQ(v.within_20, within);
+  // dhp ~ zero3 is a tie; dhp > tp and zero3 > tp were measured.
+  EXPECT_EQ(v.decisive_pairs, 2);
+  EXPECT_EQ(v.decisive_matched, (predicted["dhp"] < predicted["tp"]) + (predicted["zero3"] < predicted["tp"]));
+  EXPECT_NE(v.table.find("dhp ~ zero3 (2.0%)"), std::string::npos) << v.table;
+  EXPECT_EQ(v.lengths, 1);
 }
 
 TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {
@@ -297,6 +437,7 @@ TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {
   Workload w;
   w.vision_tokens = 256;
   w.batch_size = 4;
+  w.synthetic_data = true;  // the shapes task: samples made inside the step
   std::tie(w.text_tokens, w.target_tokens) = dhp::train::shapes_text_tokens(auto_config());
   for (const auto& p : candidate_plans(c, "dhp")) {
     const auto e = estimate(m, c, w, p);

@@ -405,8 +405,9 @@ int cmd_plan(int argc, char** argv, int first) {
           "  --memory-per-device S  usable memory per device instead of the cluster's (e.g. 700MiB)\n"
           "  --top K                best plans kept per length in the JSON (default 3)\n"
           "  --json FILE            also write every figure as JSON\n"
-          "  --calibrate            measure this machine (GEMM, element-wise bandwidth, op overhead,\n"
-          "                         attention, Gloo all-reduce) and save it for --cluster localxN\n"
+          "  --calibrate            measure this machine (Gloo collectives and their wait after compute,\n"
+          "                         GEMM, element-wise bandwidth, op overhead, the optimizer update,\n"
+          "                         synthetic samples, attention; ~30 s) and save it for --cluster localxN\n"
           "  --ranks N, --threads N ranks measured at once and intra-op threads each (default 2, 1)\n"
           "  --calibrate-precision P  dtype of the element-wise measurement: bf16 (default) or fp32\n"
           "  --out FILE             where --calibrate writes (default runs/plan/local-xN.json)\n"
@@ -484,12 +485,15 @@ int cmd_plan(int argc, char** argv, int first) {
   for (const auto& s : o.strategies) dhp::plan::named_plan(s, 1);  // names checked before the work
   dhp::qwen::ModelConfig m;
   std::string model_name = model;
+  int64_t attention_block = 0;
   if (!config.empty() || !sets.empty()) {
     const auto cfg = dhp::load_config(config, sets);
+    attention_block = cfg.training.attention_block;
     m = cfg.model.config;
     model_name = cfg.model.preset;
     if (!precision_given) o.workload.precision = cfg.training.precision;
     if (!ckpt_given) o.workload.checkpointing = cfg.training.activation_checkpointing;
+    o.workload.synthetic_data = cfg.data.dataset == "shapes";
     if (!text_given && cfg.data.dataset == "shapes") {  // the task's mean text and answer tokens
       std::tie(o.workload.text_tokens, o.workload.target_tokens) = dhp::train::shapes_text_tokens(cfg);
     }
@@ -497,6 +501,7 @@ int cmd_plan(int argc, char** argv, int first) {
     m = dhp::qwen::preset(model);
   }
   auto c = dhp::plan::cluster_preset(cluster);
+  if (c.attention_block > 0 && attention_block > 0) c.attention_block = attention_block;  // dhp's CPU attention as configured
   if (!memory.empty()) {
     c.memory_bytes = static_cast<double>(dhp::parse_bytes(memory, "--memory-per-device"));
     c.reserved_bytes = 0;

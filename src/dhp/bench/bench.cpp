@@ -194,7 +194,8 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   RunMetrics r;
   std::string line;
   std::vector<double> step_s, patches_s, tokens_s, flops;
-  std::vector<std::vector<double>> comm, busy, idle, vision, text;
+  std::vector<std::vector<double>> comm, busy, idle, vision, text, update;
+  std::vector<double> samples;
   auto add = [](std::vector<std::vector<double>>& to, const std::vector<double>& v) {
     if (to.size() < v.size()) to.resize(v.size());
     for (size_t k = 0; k < v.size(); ++k) to[k].push_back(v[k]);
@@ -220,6 +221,8 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
       // Written since the per-module timers exist; older metrics files lack them.
       if (n["vision_s_per_rank"]) add(vision, n["vision_s_per_rank"].as<std::vector<double>>());
       if (n["text_s_per_rank"]) add(text, n["text_s_per_rank"].as<std::vector<double>>());
+      if (n["update_s_per_rank"]) add(update, n["update_s_per_rank"].as<std::vector<double>>());
+      if (n["samples_s"]) samples.push_back(n["samples_s"].as<double>());
     } catch (const YAML::Exception& e) {
       DHP_FAIL(path, ":", lineno, ": not a metrics line (", e.what(), ")");
     }
@@ -235,6 +238,8 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   for (auto& i : idle) r.idle_s_per_rank.push_back(mean(i));
   for (auto& v : vision) r.vision_s_per_rank.push_back(mean(v));
   for (auto& t : text) r.text_s_per_rank.push_back(mean(t));
+  for (auto& u : update) r.update_s_per_rank.push_back(mean(u));
+  if (!samples.empty()) r.samples_s = mean(samples);
   return r;
 }
 

@@ -50,6 +50,8 @@ struct RunMetrics {
   double model_flops = 0;  // per step, whole job
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
   std::vector<double> vision_s_per_rank, text_s_per_rank;  // inside each module's forward/backward
+  std::vector<double> update_s_per_rank;                    // finish_step: reductions, norm, optimizer
+  double samples_s = 0;                                     // making the step's samples (rank 0)
   double comm_fraction() const;          // mean over ranks of comm time / step time
   double idle_fraction(const std::vector<int64_t>& ranks) const;
   // Mean over `ranks` of a per-rank figure (seconds per step).

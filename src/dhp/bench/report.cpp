@@ -175,7 +175,8 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
         << ", \"idle_fraction_vision\": " << m.idle_fraction(r.vision_ranks)
         << ", \"idle_fraction_text\": " << m.idle_fraction(r.text_ranks)
         << ", \"vision_s_per_rank\": " << json_list(m.vision_s_per_rank)
-        << ", \"text_s_per_rank\": " << json_list(m.text_s_per_rank);
+        << ", \"text_s_per_rank\": " << json_list(m.text_s_per_rank)
+        << ", \"update_s_per_rank\": " << json_list(m.update_s_per_rank) << ", \"samples_s\": " << m.samples_s;
     }
     f << ", \"sets\": [";
     for (size_t k = 0; k < r.sets.size(); ++k) f << (k ? ", " : "") << quoted(r.sets[k]);

@@ -1,13 +1,16 @@
 #include "dhp/core/machine.h"
 
 #include <dlfcn.h>
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <memory>
 
 namespace dhp {
 namespace {
@@ -73,5 +76,22 @@ double gemm_peak_gflops(c10::ScalarType dtype, bool quick) {
   }
   return best;
 }
+
+struct StepProfiler::Impl {
+  std::unique_ptr<torch::autograd::profiler::RecordProfile> record;
+};
+
+StepProfiler::StepProfiler(int64_t step, int64_t rank) {
+  const char* dir = std::getenv("DHP_PROFILE");
+  if (!dir || !*dir) return;
+  const char* at = std::getenv("DHP_PROFILE_STEP");
+  if (step != (at && *at ? std::atoll(at) : 3)) return;
+  std::filesystem::create_directories(dir);
+  impl_ = new Impl;
+  impl_->record = std::make_unique<torch::autograd::profiler::RecordProfile>(
+      (std::filesystem::path(dir) / ("rank" + std::to_string(rank) + ".trace.json")).string());
+}
+
+StepProfiler::~StepProfiler() { delete impl_; }
 
 }  // namespace dhp

@@ -21,3 +21,24 @@ double gemm_gflops(c10::ScalarType dtype, int64_t n, int reps);
 double gemm_peak_gflops(c10::ScalarType dtype, bool quick = false);
 
 }  // namespace dhp
+
+namespace dhp {
+
+// Op-level profile of one training step for diagnosis: with DHP_PROFILE=DIR in the
+// environment, the step numbered DHP_PROFILE_STEP (default 3) of each rank is recorded with
+// libtorch's profiler and written as a Chrome trace to DIR/rank<R>.trace.json. Construct
+// before the step and destroy after it; does nothing otherwise. (libtorch's legacy profiler:
+// the one version-specific call, here.)
+class StepProfiler {
+ public:
+  StepProfiler(int64_t step, int64_t rank);
+  ~StepProfiler();
+  StepProfiler(const StepProfiler&) = delete;
+  StepProfiler& operator=(const StepProfiler&) = delete;
+
+ private:
+  struct Impl;
+  Impl* impl_ = nullptr;
+};
+
+}  // namespace dhp

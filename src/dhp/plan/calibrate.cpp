@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <cstdlib>
 #include <filesystem>
@@ -16,10 +17,13 @@
 #include "dhp/core/error.h"
 #include "dhp/core/log.h"
 #include "dhp/core/machine.h"
+#include "dhp/data/shapes.h"
 #include "dhp/dist/comm.h"
 #include "dhp/io/json.h"
 #include "dhp/nn/attention.h"
 #include "dhp/nn/layers.h"
+#include "dhp/parallel/zero3.h"
+#include "dhp/train/optim.h"
 
 namespace dhp::plan {
 namespace {
@@ -96,7 +100,8 @@ Cluster calibrate_local(const CalibrateOptions& o) {
   c.gemm_efficiency = 1;  // the measured rates are what is reached
   c.hbm_efficiency = 1;
   c.attention_efficiency = 1;
-  c.attention_tile = 1;   // dhp's CPU attention batches short segments densely
+  c.attention_tile = 1;
+  c.attention_block = nn::VarlenAttentionOptions{}.block_size;  // dhp's CPU attention (training.attention_block's default)
   c.half_all_reduce_in_fp32 = true;  // Gloo has no bf16 sum: dhp widens to fp32 (dist/comm.cpp)
   const int64_t R = o.ranks;
   // Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
@@ -109,8 +114,17 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     // capability: on a shared machine the others measure the neighbours).
     constexpr int kReps = 9;
     enum { kSmall, kReduce, kGather, kA2a, kKinds };
+    constexpr int kRounds = 3;  // rounds of every kind, interleaved: a neighbour's burst hits one
     std::vector<std::vector<std::vector<double>>> t(
-        static_cast<size_t>(R), std::vector<std::vector<double>>(kKinds, std::vector<double>(kReps)));
+        static_cast<size_t>(R), std::vector<std::vector<double>>(kKinds, std::vector<double>(kRounds * kReps)));
+    // (GEMMs per stretch, stretches): from ~0.1 ms to ~0.2 s of compute between collectives
+    // (per 2 ranks; 4 ranks sharing 2 cores take twice as long); [rank][stretch][compute,
+    // inside the collective][round].
+    const std::vector<std::pair<int, int>> kSyncChunks = {{1, 256}, {8, 64}, {64, 16}, {512, 6}, {2048, 4}};
+    constexpr int kSyncRounds = 3;
+    std::vector<std::vector<std::vector<std::vector<double>>>> sync(
+        static_cast<size_t>(R), std::vector<std::vector<std::vector<double>>>(
+                                    kSyncChunks.size(), std::vector<std::vector<double>>(2, std::vector<double>(kSyncRounds))));
     std::vector<int64_t> ranks;
     for (int64_t r = 0; r < R; ++r) ranks.push_back(r);
     const int64_t big = 4 << 20;  // floats: 16 MB
@@ -126,13 +140,38 @@ Cluster calibrate_local(const CalibrateOptions& o) {
           const std::function<void()> ops[kKinds] = {[&] { g.all_reduce_sum_(s); }, [&] { g.all_reduce_sum_(l); },
                                                      [&] { (void)g.all_gather(part, 0); },
                                                      [&] { (void)g.all_to_all(l, rows, rows); }};
-          for (int k = 0; k < kKinds; ++k) {
-            ops[k]();  // warm-up
-            for (int i = 0; i < kReps; ++i) {
+          for (int round = 0; round < kRounds; ++round) {
+            for (int k = 0; k < kKinds; ++k) {
+              ops[k]();  // warm-up
+              for (int i = 0; i < kReps; ++i) {
+                g.barrier();
+                const auto t0 = Clock::now();
+                ops[k]();
+                t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(round * kReps + i)] =
+                    seconds_since(t0);
+              }
+            }
+          }
+          // Collectives between stretches of compute, as in training: every rank runs `chunk`
+          // bf16 GEMMs then a small all-reduce, `iters` times, timing the compute and the time
+          // inside the all-reduce apart. The latter is what a collective costs once the ranks
+          // have computed apart: its latency plus waiting for the last to arrive.
+          auto a = torch::randn({256, 256}).to(torch::kBFloat16), b = torch::randn({256, 256}).to(torch::kBFloat16);
+          for (int round = 0; round < kSyncRounds; ++round) {
+            for (size_t j = 0; j < kSyncChunks.size(); ++j) {
               g.barrier();
-              const auto t0 = Clock::now();
-              ops[k]();
-              t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(i)] = seconds_since(t0);
+              double compute = 0, inside = 0;
+              for (int i = 0; i < kSyncChunks[j].second; ++i) {
+                const auto t0 = Clock::now();
+                for (int k = 0; k < kSyncChunks[j].first; ++k) (void)torch::matmul(a, b);
+                const auto t1 = Clock::now();
+                g.all_reduce_sum_(s);
+                compute += std::chrono::duration<double>(t1 - t0).count();
+                inside += seconds_since(t1);
+              }
+              auto& out = sync[static_cast<size_t>(r)][j];
+              out[0][static_cast<size_t>(round)] = compute / kSyncChunks[j].second;
+              out[1][static_cast<size_t>(round)] = inside / kSyncChunks[j].second;
             }
           }
         } catch (const std::exception& e) {
@@ -143,14 +182,22 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     }
     for (auto& x : th) x.join();
     DHP_CHECK(error.empty(), "calibrating the collectives: ", error);
+    // Per round the fastest call (its slowest rank); the median of the rounds.
     auto best_of_slowest = [&](int k) {
-      std::vector<double> per_call;
-      for (int i = 0; i < kReps; ++i) {
-        double m = 0;
-        for (int64_t r = 0; r < R; ++r) m = std::max(m, t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(i)]);
-        per_call.push_back(m);
+      std::vector<double> per_round;
+      for (int round = 0; round < kRounds; ++round) {
+        double best = 1e30;
+        for (int i = 0; i < kReps; ++i) {
+          double m = 0;
+          for (int64_t r = 0; r < R; ++r) {
+            m = std::max(m, t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(round * kReps + i)]);
+          }
+          best = std::min(best, m);
+        }
+        per_round.push_back(best);
       }
-      return *std::min_element(per_call.begin(), per_call.end());
+      std::sort(per_round.begin(), per_round.end());
+      return per_round[per_round.size() / 2];
     };
     const double lat = best_of_slowest(kSmall), bytes = 4.0 * static_cast<double>(big);
     const double frac = static_cast<double>(R - 1) / static_cast<double>(R);
@@ -159,7 +206,27 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     c.intra.bus_bandwidth = bw(best_of_slowest(kReduce), 2);
     c.intra.gather_bandwidth = bw(best_of_slowest(kGather), 1);
     c.intra.a2a_bandwidth = bw(best_of_slowest(kA2a), 1);
+    // Per stretch length: the ranks' mean compute per stretch and time inside the collective,
+    // each the median of the rounds.
+    for (size_t j = 0; j < kSyncChunks.size(); ++j) {
+      double compute = 0, inside = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        for (int w = 0; w < 2; ++w) {
+          auto v = sync[static_cast<size_t>(r)][j][static_cast<size_t>(w)];
+          std::sort(v.begin(), v.end());
+          (w ? inside : compute) += v[v.size() / 2] / static_cast<double>(R);
+        }
+      }
+      c.intra.sync_interval_s.push_back(compute);
+      c.intra.sync_cost_s.push_back(std::max(lat, inside));
+    }
     c.inter = c.intra;
+    std::string table;
+    for (size_t j = 0; j < kSyncChunks.size(); ++j) {
+      table += (j ? ", " : "") + std::to_string(c.intra.sync_cost_s[j] * 1e3) + " ms after " +
+               std::to_string(c.intra.sync_interval_s[j] * 1e3) + " ms";
+    }
+    say("collectives between compute: " + table);
     say("collectives: latency " + std::to_string(lat * 1e3) + " ms; bus bandwidth all-reduce " +
         std::to_string(c.intra.bus_bandwidth / 1e9) + ", all-gather " + std::to_string(c.intra.gather_bandwidth / 1e9) +
         ", all-to-all " + std::to_string(c.intra.a2a_bandwidth / 1e9) + " GB/s");
@@ -225,6 +292,66 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     c.launch_s = secs;
     say("op overhead " + std::to_string(secs * 1e6) + " us");
   }
+  // dhp's ZeRO-3 around its collectives: a unit of four 1024x1024 linears (4M bf16
+  // parameters) run through parallel::Zero3 in a group of one, forward and backward on one
+  // row (its compute is negligible): two gathers, the reduce-scatter and the copies around
+  // them, per parameter byte.
+  {
+    const int64_t width = 1024, layers = 4;
+    const double secs = concurrent_median(R, 4, [&] {
+      auto root = std::make_shared<torch::nn::Module>();
+      auto seq = root->register_module("u", torch::nn::Sequential());
+      for (int64_t i = 0; i < layers; ++i) seq->push_back(torch::nn::Linear(torch::nn::LinearOptions(width, width).bias(false)));
+      root->to(torch::kBFloat16);
+      auto z = std::make_shared<parallel::Zero3>(*root, std::vector<std::string>{"u"}, std::vector<std::string>{"u."},
+                                                 dist::Group());
+      auto x = torch::randn({1, width}).to(torch::kBFloat16);
+      return std::function<void()>([root, seq, z, x] {
+        torch::AutoGradMode grad(true);
+        z->run("u", [seq](const torch::Tensor& in) { return seq->forward(in); }, x).sum().backward();
+      });
+    });
+    c.zero3_unit_s_per_byte = secs / (2.0 * static_cast<double>(layers * width * width));
+    say("ZeRO-3 unit " + std::to_string(c.zero3_unit_s_per_byte * 1e9) + " ns per parameter byte (gathers, " +
+        "reduce-scatter and copies in a group of one)");
+  }
+  // The update as finish_step runs it, per parameter: the gradient's squared norm (fp32), the
+  // clipping scale (training.grad_clip, on by default) and dhp's AdamW (bf16 parameters and gradients, fp32 masters and moments), on 4M parameters
+  // per rank (far beyond the caches, like a real model).
+  {
+    const double secs = concurrent_median(R, 3, [&] {
+      std::vector<train::NamedParam> ps;
+      for (int i = 0; i < 4; ++i) {
+        auto p = torch::randn({1024, 1024}).to(torch::kBFloat16).requires_grad_(true);
+        p.mutable_grad() = torch::randn({1024, 1024}).to(torch::kBFloat16);
+        ps.push_back({"p" + std::to_string(i), p, true});
+      }
+      auto adam = std::make_shared<train::AdamW>(ps, train::AdamWOptions{0.9, 0.95, 1e-8, 0.1});
+      return std::function<void()>([ps, adam] {
+        torch::NoGradGuard no_grad;
+        double sq = 0;
+        for (const auto& p : ps) sq += p.param.grad().to(torch::kFloat32).pow(2).sum().item<double>();
+        for (const auto& p : ps) p.param.grad().mul_(1.0 / (1.0 + std::sqrt(sq)));
+        adam->step(1e-4);
+      });
+    });
+    c.optimizer_s_per_param = secs / (4.0 * 1024 * 1024);
+    say("update (norm + AdamW) " + std::to_string(c.optimizer_s_per_param * 1e9) + " ns per parameter");
+  }
+  // dhp's synthetic shapes samples (drawn, patchified) as every rank makes them inside a
+  // step: 448-pixel images (1024 patches), per patch.
+  {
+    const int64_t side = 448, patches = (side / 14) * (side / 14);
+    const double secs = concurrent_median(R, 4, [&] {
+      data::ShapesOptions so;
+      so.min_side = so.max_side = side;
+      auto ds = std::make_shared<data::ShapesDataset>(qwen::preset("bench"), so);
+      auto index = std::make_shared<int64_t>(0);
+      return std::function<void()>([ds, index] { (void)ds->get((*index)++); });
+    });
+    c.synthetic_s_per_patch = secs / static_cast<double>(patches);
+    say("synthetic samples " + std::to_string(c.synthetic_s_per_patch * 1e6) + " us per patch");
+  }
   // Attention forward + backward (bf16 in, fp32 math) of one 1024-token segment.
   {
     const int64_t S = 1024, H = 4, D = 64;
@@ -264,15 +391,24 @@ void save_cluster(const Cluster& c, const std::string& path) {
   j.set("attention_efficiency", io::Json(c.attention_efficiency));
   j.set("attention_flops", io::Json(c.attention_flops));
   j.set("attention_tile", io::Json(c.attention_tile));
+  j.set("attention_block", io::Json(c.attention_block));
   j.set("hbm_bandwidth", io::Json(c.hbm_bandwidth));
   j.set("hbm_efficiency", io::Json(c.hbm_efficiency));
   j.set("launch_s", io::Json(c.launch_s));
+  j.set("optimizer_s_per_param", io::Json(c.optimizer_s_per_param));
+  j.set("synthetic_s_per_patch", io::Json(c.synthetic_s_per_patch));
+  j.set("zero3_unit_s_per_byte", io::Json(c.zero3_unit_s_per_byte));
   j.set("half_all_reduce_in_fp32", io::Json(c.half_all_reduce_in_fp32));
   for (const auto& [prefix, l] : {std::pair<std::string, const Link*>{"intra", &c.intra}, {"inter", &c.inter}}) {
     j.set(prefix + "_bus_bandwidth", io::Json(l->bus_bandwidth));
     j.set(prefix + "_gather_bandwidth", io::Json(l->gather_bandwidth));
     j.set(prefix + "_a2a_bandwidth", io::Json(l->a2a_bandwidth));
     j.set(prefix + "_latency_s", io::Json(l->latency_s));
+    io::Json xs = io::Json::array(), ys = io::Json::array();
+    for (double x : l->sync_interval_s) xs.push(io::Json(x));
+    for (double y : l->sync_cost_s) ys.push(io::Json(y));
+    j.set(prefix + "_sync_interval_s", xs);
+    j.set(prefix + "_sync_cost_s", ys);
   }
   j.set("source", io::Json(c.source));
   const std::filesystem::path p(path);
@@ -308,17 +444,31 @@ Cluster load_local_cluster(const std::string& path) {
   c.attention_efficiency = num("attention_efficiency");
   c.attention_flops = num("attention_flops");
   c.attention_tile = j.at("attention_tile", what).integer(what + " attention_tile");
+  if (const auto* v = j.find("attention_block")) c.attention_block = v->integer(what + " attention_block");
   c.hbm_bandwidth = num("hbm_bandwidth");
   c.hbm_efficiency = num("hbm_efficiency");
   c.launch_s = num("launch_s");
+  if (const auto* v = j.find("optimizer_s_per_param")) c.optimizer_s_per_param = v->number(what + " optimizer_s_per_param");
+  if (const auto* v = j.find("synthetic_s_per_patch")) c.synthetic_s_per_patch = v->number(what + " synthetic_s_per_patch");
+  if (const auto* v = j.find("zero3_unit_s_per_byte")) c.zero3_unit_s_per_byte = v->number(what + " zero3_unit_s_per_byte");
   if (const auto* w = j.find("half_all_reduce_in_fp32")) c.half_all_reduce_in_fp32 = w->boolean(what + " half_all_reduce_in_fp32");
   auto link = [&](const std::string& p) {
     auto opt = [&](const std::string& k) {
       const auto* v = j.find(p + k);
       return v ? v->number(what + " " + p + k) : 0.0;
     };
-    return Link{num((p + "_bus_bandwidth").c_str()), num((p + "_latency_s").c_str()), opt("_gather_bandwidth"),
-                opt("_a2a_bandwidth")};
+    Link l{num((p + "_bus_bandwidth").c_str()), num((p + "_latency_s").c_str()), opt("_gather_bandwidth"),
+           opt("_a2a_bandwidth")};
+    auto list = [&](const std::string& k, std::vector<double>& out) {
+      if (const auto* v = j.find(p + k)) {
+        for (const auto& e : v->elements(what + " " + p + k)) out.push_back(e.number(what + " " + p + k));
+      }
+    };
+    list("_sync_interval_s", l.sync_interval_s);
+    list("_sync_cost_s", l.sync_cost_s);
+    DHP_CHECK(l.sync_interval_s.size() == l.sync_cost_s.size(), path, ": ", p, "_sync_interval_s and ", p,
+              "_sync_cost_s differ in length; run `dhp plan --calibrate` again");
+    return l;
   };
   c.intra = link("intra");
   c.inter = link("inter");

@@ -76,6 +76,32 @@ double padded_causal_pairs(double L, double tile) {
   return t * (t + 1) / 2 * tile * tile;
 }
 
+}  // namespace
+
+// Query-key pairs the attention kernel computes for one segment of length L. Flash kernels
+// (attention_block 0): whole tiles. dhp's CPU attention (nn/attention.cpp, attention_block
+// B): a segment of at most B tokens is padded to the next power of two and computed as a
+// whole square, causal or not (short segments are batched densely); a longer one runs in
+// query blocks of B, each against all keys, or (causal) the keys up to the block's end.
+double attention_pairs(const Cluster& c, double L, bool causal) {
+  if (c.attention_block <= 0) {
+    const double tile = static_cast<double>(c.attention_tile);
+    return causal ? padded_causal_pairs(L, tile) : padded_pairs(L, tile);
+  }
+  const double B = static_cast<double>(c.attention_block);
+  if (L <= B) {
+    double p = 1;
+    while (p < L) p *= 2;
+    return p * p;
+  }
+  if (!causal) return L * L;
+  double pairs = 0;
+  for (double i0 = 0; i0 < L; i0 += B) pairs += std::min(B, L - i0) * std::min(i0 + B, L);
+  return pairs;
+}
+
+namespace {
+
 // The link a group of n ranks crosses: inside a node when it fits in one.
 const Link& link_for(const Cluster& c, int64_t n) { return n <= c.devices_per_node ? c.intra : c.inter; }
 
@@ -149,6 +175,7 @@ double module_state_bytes(const Conventions& cv, const ModuleStrategy& s, double
 // Optimizer step: memory-bound over the parameters this rank updates (read gradient, master,
 // moments; write master, moments, parameter).
 double optimizer_seconds(const Cluster& c, const Conventions& cv, double params_updated) {
+  if (c.optimizer_s_per_param > 0) return params_updated * c.optimizer_s_per_param;  // measured (local)
   const double bytes = params_updated * (cv.grad_bytes + 2 * cv.optim_bytes + cv.param_bytes);
   return elementwise_seconds(c, bytes, 8);
 }
@@ -176,17 +203,37 @@ void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, doub
   }
 }
 
-// ZeRO-3: every layer's parameters gathered for forward, recomputation and backward, its
-// gradients reduce-scattered, per micro-batch.
-void zero3_layer_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, double layer_params,
-                             double layers, double gbytes, bool checkpointing) {
+// ZeRO-3, per micro-batch: `units` units of `unit_params` parameters each. DeepSpeed: gathered
+// for forward, recomputation (checkpointing) and backward, gradients reduce-scattered. dhp
+// (Conventions::zero3_units): gathered for forward and backward, gradients reduce-scattered
+// by an all-to-all, plus the local copies around them.
+void zero3_unit_collectives(Tally& tl, const Cluster& c, const Conventions& cv, const ModuleStrategy& s,
+                            double unit_params, double units, double gbytes, bool checkpointing) {
   const int64_t n = s.ranks();
-  if (s.kind != "zero3" || n <= 1) return;
+  if (s.kind != "zero3" || n <= 1 || units <= 0) return;
   const Link& l = link_for(c, n);
-  const double b = layer_params * gbytes;
+  const double b = unit_params * gbytes;
+  const double frac = static_cast<double>(n - 1) / static_cast<double>(n);
+  if (cv.zero3_units) {
+    tl.collective(units * (2 * all_gather_seconds(l, n, b) + all_to_all_seconds(l, n, b)), units * 3 * b * frac,
+                  static_cast<int64_t>(units * 3));
+    tl.cost.elementwise_s += units * (c.zero3_unit_s_per_byte > 0 ? b * c.zero3_unit_s_per_byte
+                                                                  : elementwise_seconds(c, cv.zero3_copy_passes * b, 8));
+    return;
+  }
   const double gathers = checkpointing ? 3 : 2;
-  tl.collective(layers * (gathers + 1) * all_gather_seconds(l, n, b), layers * (gathers + 1) * b * (n - 1) / n,
-                static_cast<int64_t>(layers * (gathers + 1)));
+  tl.collective(units * (gathers + 1) * all_gather_seconds(l, n, b), units * (gathers + 1) * b * frac,
+                static_cast<int64_t>(units * (gathers + 1)));
+}
+
+// Waiting at the module's collectives for the slowest rank: each call after the module's
+// compute divided evenly between its calls, at the link's measured cost for that interval
+// (beyond the latency already counted in comm_s).
+void add_sync_wait(ModuleCost& cost, const Link& l) {
+  if (l.sync_interval_s.empty() || cost.comm_calls == 0) return;
+  const double calls = static_cast<double>(cost.comm_calls);
+  const double interval = (cost.gemm_s + cost.attention_s + cost.elementwise_s) / calls;
+  cost.sync_s = calls * std::max(0.0, l.sync_seconds(interval) - l.latency_s);
 }
 
 std::string fmt_gib(double b) {
@@ -250,6 +297,8 @@ Conventions conventions(const std::string& name) {
     cv.logits_all_positions = true;
     cv.logit_bytes = 12;  // bf16 logits, fp32 log-softmax saved, fp32 gradient
     cv.vision_fused_qkv = false;  // its vision attention has q_proj, k_proj, v_proj (each column-parallel)
+    cv.zero3_units = false;
+    cv.zero3_copy_passes = 0;
     return cv;
   }
   if (name == "deepspeed") {
@@ -262,6 +311,8 @@ Conventions conventions(const std::string& name) {
     cv.logit_bytes = 12;
     cv.zero3_live_params = 1e9;        // stage3_max_live_parameters default
     cv.zero3_bucket_bytes = 5e8 * 2;   // reduce_bucket_size default (elements), bf16
+    cv.zero3_units = false;
+    cv.zero3_copy_passes = 0;
     return cv;
   }
   DHP_FAIL("unknown conventions '", name, "'; known: dhp, reference, deepspeed");
@@ -344,6 +395,17 @@ double state_bytes_per_param(const Conventions& cv, int64_t zero_stage, int64_t 
   }
 }
 
+double Link::sync_seconds(double interval) const {
+  const auto& x = sync_interval_s;
+  const auto& y = sync_cost_s;
+  if (x.empty() || x.size() != y.size()) return latency_s;
+  if (interval <= x.front()) return y.front();
+  for (size_t i = 1; i < x.size(); ++i) {
+    if (interval <= x[i]) return y[i - 1] + (y[i] - y[i - 1]) * (interval - x[i - 1]) / (x[i] - x[i - 1]);
+  }
+  return y.back();
+}
+
 double gemm_seconds(const Cluster& c, const std::string& precision, double m, double n, double k) {
   const double b = dtype_bytes(precision);
   const double compute = 2 * m * n * k / (c.flops(precision) * c.gemm_efficiency);
@@ -417,10 +479,11 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   }
   const double M = images_mb * N / static_cast<double>(sh.share);  // patch rows on this rank
   const double t = static_cast<double>(sh.t);
-  Tally tl{c, w.precision, cost, w.checkpointing ? 4.0 : 3.0, w.checkpointing ? 2.0 : 1.0};
-  const double tile = static_cast<double>(c.attention_tile);
+  // dhp's ZeRO-3 recomputes every unit in backward, checkpointing or not.
+  const bool recompute = w.checkpointing || (s.kind == "zero3" && cv.zero3_units);
+  Tally tl{c, w.precision, cost, recompute ? 4.0 : 3.0, recompute ? 2.0 : 1.0};
   double window_padded = 0;
-  for (size_t i = 0; i + 1 < cu.size(); ++i) window_padded += padded_pairs(static_cast<double>(cu[i + 1] - cu[i]), tile);
+  for (size_t i = 0; i + 1 < cu.size(); ++i) window_padded += attention_pairs(c, static_cast<double>(cu[i + 1] - cu[i]), false);
   const std::set<int64_t> full(v.fullatt_block_indexes.begin(), v.fullatt_block_indexes.end());
   const double attn_share = static_cast<double>(sh.t * sh.share);  // heads (tp, sp) or windows (sp) split
   for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
@@ -435,7 +498,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
       tl.gemm(M, I / t, h);
       tl.gemm(M, I / t, h);
       tl.gemm(M, h, I / t);
-      const double pairs = full.count(l) ? padded_pairs(N, tile) : window_padded;
+      const double pairs = full.count(l) ? attention_pairs(c, N, false) : window_padded;
       tl.attention(4 * hd * heads * pairs * images_mb / attn_share);
       // Norms and residuals (10h per token) run on every tensor-parallel rank; rotary (4h) and
       // the SwiGLU product (3I) are split.
@@ -460,23 +523,32 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
       const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, all_reduce_elem_bytes(c, b) * M / unit * out);
       tl.collective((w.checkpointing ? 3 : 2) * ar, 0, w.checkpointing ? 3 : 2);
     }
-    zero3_layer_collectives(tl, c, s, static_cast<double>(vision_block_params(v)), static_cast<double>(v.depth), b,
-                            w.checkpointing);
+    zero3_unit_collectives(tl, c, cv, s, static_cast<double>(vision_block_params(v)), static_cast<double>(v.depth), b,
+                           w.checkpointing);
+    if (cv.zero3_units) {  // dhp's patch embedding and merger are units of their own
+      zero3_unit_collectives(tl, c, cv, s, static_cast<double>(v.patch_dim()) * h, 1, b, w.checkpointing);
+      zero3_unit_collectives(tl, c, cv, s, unit * h * (unit * h + out), 1, b, w.checkpointing);
+    }
   }
   const auto pc = static_cast<double>(qwen::count_parameters(model).vision);
   step_collectives(tl, c, s, pc, b);
+  add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
   cost.flops = 3 * vision_image_flops(v, gh, gw) * static_cast<double>(images_step);
   // Memory.
   cost.state_bytes = module_state_bytes(cv, s, pc, w.precision);
   const double per_token_layer = b * (4 * h + (2 * h + 2 * h + 3 * I) / t);  // one block's saved tensors
   const double rows = M;  // one micro-batch's rows are alive at a time
-  cost.activation_bytes = w.checkpointing ? b * rows * h * static_cast<double>(v.depth + 1)
+  cost.activation_bytes = recompute ? b * rows * h * static_cast<double>(v.depth + 1)
                                           : per_token_layer * rows * static_cast<double>(v.depth);
   cost.working_bytes = 2 * per_token_layer * rows;  // a block's tensors and their gradients in backward
   if (s.kind == "zero3") {
+    // dhp: the largest unit in its backward: gathered, its full gradient, and the
+    // reduce-scatter's padded copy, send buffer and received sums (5x its bytes).
+    const double largest = std::max({static_cast<double>(vision_block_params(v)), static_cast<double>(v.patch_dim()) * h,
+                                     unit * h * (unit * h + out)});
     cost.gathered_bytes = cv.zero3_live_params > 0 ? std::min(cv.zero3_live_params, pc) * b + cv.zero3_bucket_bytes
-                                                   : 2 * static_cast<double>(vision_block_params(v)) * b;
+                                                   : 5 * largest * b;
   }
   return cost;
 }
@@ -502,8 +574,8 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   const double targets = samples_mb * static_cast<double>(w.target_tokens);
   const double logit_rows = cv.logits_all_positions ? M : targets;
   const double t = static_cast<double>(sh.t);
-  Tally tl{c, w.precision, cost, w.checkpointing ? 4.0 : 3.0, w.checkpointing ? 2.0 : 1.0};
-  const double tile = static_cast<double>(c.attention_tile);
+  const bool recompute = w.checkpointing || (s.kind == "zero3" && cv.zero3_units);
+  Tally tl{c, w.precision, cost, recompute ? 4.0 : 3.0, recompute ? 2.0 : 1.0};
   const double layers = static_cast<double>(tc.num_layers);
   const Link& tl_link = link_for(c, sh.t);
   for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
@@ -520,7 +592,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
       tl.gemm(M, I / t, h);
       tl.gemm(M, I / t, h);
       tl.gemm(M, h, I / t);
-      tl.attention(4 * hd * heads / t * samples_mb * padded_causal_pairs(L, tile));
+      tl.attention(4 * hd * heads / t * samples_mb * attention_pairs(c, L, true));
       tl.elementwise(b * M * (10 * h + (2 * h + 2 * kv + 3 * I) / t), 12);
       if (s.kind == "tp") {  // o and down forward (and recomputed); q, k, v, gate, up input grads backward
         const double ab = all_reduce_elem_bytes(c, b);
@@ -538,8 +610,10 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
                         all_reduce_seconds(tl_link, sh.t, all_reduce_elem_bytes(c, b) * logit_rows * h),
                     2 * b * logit_rows * h * (t - 1) / t, 4);
     }
-    zero3_layer_collectives(tl, c, s, static_cast<double>(text_layer_params(tc)), layers, b, w.checkpointing);
-    if (s.kind == "zero3") {  // embeddings and lm_head gathered too
+    zero3_unit_collectives(tl, c, cv, s, static_cast<double>(text_layer_params(tc)), layers, b, w.checkpointing);
+    if (cv.zero3_units) {  // dhp: the embedding and the head (the embedding again when tied) are units
+      zero3_unit_collectives(tl, c, cv, s, V * h, 2, b, w.checkpointing);
+    } else if (s.kind == "zero3") {  // embeddings and lm_head gathered too
       const Link& l = link_for(c, s.ranks());
       const double eb = V * h * b * (tc.tie_word_embeddings ? 1 : 2);
       tl.collective(3 * all_gather_seconds(l, s.ranks(), eb), 3 * eb, 3);
@@ -547,6 +621,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   }
   const auto pc = static_cast<double>(qwen::count_parameters(m).text);
   step_collectives(tl, c, s, pc, b);
+  add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
   const double per_layer_flops = 2 * L * (h * h + 2 * h * kv + h * h + 3 * h * I) + 4 * h * L * (L + 1) / 2;
   cost.flops = 3 * static_cast<double>(w.batch_size) *
@@ -554,12 +629,13 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   // Memory.
   cost.state_bytes = module_state_bytes(cv, s, pc, w.precision);
   const double per_token_layer = b * (4 * h + (2 * h + 2 * kv + 3 * I) / t);
-  cost.activation_bytes = w.checkpointing ? b * M * h * (layers + 1) : per_token_layer * M * layers;
+  cost.activation_bytes = recompute ? b * M * h * (layers + 1) : per_token_layer * M * layers;
   cost.working_bytes = 2 * per_token_layer * M;
   cost.logits_bytes = cv.logit_bytes * logit_rows * V / t;
   if (s.kind == "zero3") {
+    const double largest = std::max(static_cast<double>(text_layer_params(tc)), V * h);  // as for the vision
     cost.gathered_bytes = cv.zero3_live_params > 0 ? std::min(cv.zero3_live_params, pc) * b + cv.zero3_bucket_bytes
-                                                   : 2 * static_cast<double>(text_layer_params(tc)) * b;
+                                                   : 5 * largest * b;
   }
   return cost;
 }
@@ -615,13 +691,27 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
     // Sequence-split embeddings gathered to every text rank; gradients sliced locally.
     e.redistribute_s = all_gather_seconds(link_for(c, vs.ranks()), vs.ranks(), emb / static_cast<double>(vs.dp));
   }
+  if (w.synthetic_data) {  // a rank draws the images its vision replica encodes (every one's text is cheap)
+    e.input_s = static_cast<double>(w.batch_size * w.images_per_sample * w.vision_tokens) /
+                static_cast<double>(std::min(shape_of(vs).replicas, w.batch_size)) * c.synthetic_s_per_patch;
+  }
+  // After the backward every rank joins the gradient norm's and the loss' reductions: one
+  // collective after the whole step's compute (the ranks drift apart over it).
+  const int64_t job = plan.disjoint ? vs.ranks() + ts.ranks() : std::max(vs.ranks(), ts.ranks());
+  const Link& job_link = link_for(c, job);
+  if (job > 1 && !job_link.sync_interval_s.empty()) {
+    const double compute = e.vision.gemm_s + e.vision.attention_s + e.vision.elementwise_s + e.text.gemm_s +
+                           e.text.attention_s + e.text.elementwise_s;
+    e.step_sync_s = job_link.sync_seconds(compute);
+  }
   const double tv = e.vision.time_s(), tt = e.text.time_s();
+  const double overhead = e.redistribute_s + e.input_s + e.step_sync_s;
   if (plan.disjoint) {
     const double mbs = static_cast<double>(w.micro_batches);
-    e.step_s = std::max(tv, tt) + std::min(tv, tt) / mbs + e.redistribute_s;
+    e.step_s = std::max(tv, tt) + std::min(tv, tt) / mbs + overhead;
     e.memory_bytes = std::max(e.vision.memory_bytes(), e.text.memory_bytes());
   } else {
-    e.step_s = tv + tt + e.redistribute_s;
+    e.step_s = tv + tt + overhead;
     // The text's logits and working set come after the vision's are freed; stored
     // activations of both are alive together.
     e.memory_bytes = e.vision.state_bytes + e.text.state_bytes + e.vision.activation_bytes + e.text.activation_bytes +

@@ -28,8 +28,15 @@ struct Link {
   double latency_s = 0;
   double gather_bandwidth = 0;
   double a2a_bandwidth = 0;
+  // Measured cost of one small collective issued after `sync_interval_s[i]` seconds of
+  // compute on every rank: its latency plus the wait for the last rank to arrive (ranks
+  // drift apart while they compute). Empty: latency_s alone (the presets).
+  std::vector<double> sync_interval_s, sync_cost_s;
   double gather() const { return gather_bandwidth > 0 ? gather_bandwidth : bus_bandwidth; }
   double a2a() const { return a2a_bandwidth > 0 ? a2a_bandwidth : bus_bandwidth; }
+  // Latency plus arrival wait of a collective after `interval` seconds of compute: the table
+  // interpolated linearly (held flat beyond its ends), or latency_s without a table.
+  double sync_seconds(double interval) const;
 };
 
 struct Cluster {
@@ -45,9 +52,15 @@ struct Cluster {
   double attention_efficiency = 0;  // fraction of peak the flash-attention forward reaches
   double attention_flops = 0;       // measured attention FLOP/s (local); 0: flops x attention_efficiency
   int64_t attention_tile = 128;     // query/key tile of the attention kernel (segments pad to it)
+  int64_t attention_block = 0;      // dhp's CPU attention: its block (see attention_pairs); 0: flash tiles
   double hbm_bandwidth = 0;         // bytes/s per device
   double hbm_efficiency = 0;        // fraction reached by element-wise kernels
   double launch_s = 0;              // fixed cost per kernel
+  double optimizer_s_per_param = 0; // measured update (norm + AdamW) per parameter (local); 0: bytes / bandwidth
+  double synthetic_s_per_patch = 0; // measured generation of dhp's synthetic samples per image patch (local)
+  // Measured local work of dhp's ZeRO-3 per unit and parameter byte: its gathers' and
+  // reduce-scatter's copies (local); 0: Conventions::zero3_copy_passes at HBM bandwidth.
+  double zero3_unit_s_per_byte = 0;
   bool half_all_reduce_in_fp32 = false;  // bf16 all-reduces carried as fp32 (dhp on Gloo, which cannot sum bf16)
   Link intra, inter;                // inside a node, across nodes
   std::string source;               // where the numbers come from
@@ -70,6 +83,9 @@ struct Workload {
   int64_t micro_batches = 1;
   std::string precision = "bf16";   // bf16 (fp32 masters, see Conventions) or fp32
   bool checkpointing = true;        // activation checkpointing (recompute each layer in backward)
+  // The samples are dhp's synthetic shapes task, generated inside the step by every rank
+  // (whole global batch); otherwise the data loader's threads prepare them ahead (no cost).
+  bool synthetic_data = false;
   // Patch grid (h, w) of one image: the squarest even-sided grid of vision_tokens patches.
   std::pair<int64_t, int64_t> grid() const;
   int64_t tokens_per_sample(int64_t merge) const;  // text sequence length of one sample
@@ -86,6 +102,12 @@ struct Conventions {
   double zero3_live_params = 0;            // parameters a ZeRO-3 module keeps gathered (0 = two layers)
   double zero3_bucket_bytes = 0;           // ZeRO-3 gradient reduce bucket
   bool vision_fused_qkv = true;            // one qkv GEMM (HF's vision) or separate q, k, v linears
+  // dhp's ZeRO-3 (parallel/zero3.cpp): each unit (layer, embedding, head) gathered for its
+  // forward and again for its backward, which recomputes it (checkpointing or not); gradients
+  // reduce-scattered by an all-to-all; `zero3_copy_passes` x the unit's bytes of local copies
+  // around them. Otherwise DeepSpeed's: gathered for forward, recomputation and backward.
+  bool zero3_units = true;
+  double zero3_copy_passes = 10;
 };
 Conventions conventions(const std::string& name);  // dhp, reference (SP+TP, TP: the Ray system), deepspeed (ZeRO-3)
 
@@ -115,12 +137,13 @@ Plan named_plan(const std::string& name, int64_t devices);
 struct ModuleCost {
   // Seconds per step on one rank of the module.
   double gemm_s = 0, attention_s = 0, elementwise_s = 0, comm_s = 0, optimizer_s = 0;
+  double sync_s = 0;       // waiting at collectives for the other ranks (calibrated links only)
   int64_t comm_calls = 0;
   double comm_bytes = 0;   // bytes this rank sends per step (ring formulas)
   double flops = 0;        // model FLOPs per step of the whole module (fwd + bwd, no recompute)
   // Bytes per device.
   double state_bytes = 0, activation_bytes = 0, working_bytes = 0, logits_bytes = 0, gathered_bytes = 0;
-  double time_s() const { return gemm_s + attention_s + elementwise_s + comm_s + optimizer_s; }
+  double time_s() const { return gemm_s + attention_s + elementwise_s + comm_s + sync_s + optimizer_s; }
   double memory_bytes() const { return state_bytes + activation_bytes + working_bytes + logits_bytes + gathered_bytes; }
 };
 
@@ -129,6 +152,8 @@ struct Estimate {
   Workload workload;
   ModuleCost vision, text;
   double redistribute_s = 0;   // embeddings and their gradients between the groups
+  double input_s = 0;          // generating synthetic samples (Workload::synthetic_data)
+  double step_sync_s = 0;      // the step's closing reductions (gradient norm, loss) waiting for the last rank
   double step_s = 0;
   double throughput = 0;       // the reference's metric: patches per image x batch / step time
   double memory_bytes = 0;     // the fullest device
@@ -164,6 +189,8 @@ double gemm_seconds(const Cluster& c, const std::string& precision, double m, do
 double all_reduce_seconds(const Link& link, int64_t n, double bytes);
 double all_gather_seconds(const Link& link, int64_t n, double bytes);
 double all_to_all_seconds(const Link& link, int64_t n, double bytes);
+// Query-key pairs the attention kernel of c computes for one segment of L tokens.
+double attention_pairs(const Cluster& c, double L, bool causal);
 // Forward FLOPs of one image's vision tower (exact: windows from Qwen's window index).
 double vision_image_flops(const qwen::VisionConfig& v, int64_t grid_h, int64_t grid_w);
 

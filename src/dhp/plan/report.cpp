@@ -31,6 +31,7 @@ io::Json module_json(const ModuleCost& m) {
   j.set("comm_s", io::Json(m.comm_s));
   j.set("comm_calls", io::Json(m.comm_calls));
   j.set("comm_bytes", io::Json(m.comm_bytes));
+  j.set("sync_s", io::Json(m.sync_s));
   j.set("optimizer_s", io::Json(m.optimizer_s));
   j.set("flops", io::Json(m.flops));
   j.set("state_bytes", io::Json(m.state_bytes));
@@ -55,6 +56,8 @@ io::Json estimate_json(const Estimate& e) {
     j.set("memory_bytes", io::Json(e.memory_bytes));
     j.set("capacity_bytes", io::Json(e.capacity_bytes));
     j.set("redistribute_s", io::Json(e.redistribute_s));
+    j.set("input_s", io::Json(e.input_s));
+    j.set("step_sync_s", io::Json(e.step_sync_s));
     j.set("vision", module_json(e.vision));
     j.set("text", module_json(e.text));
   }
@@ -192,6 +195,7 @@ std::string study_json(const std::string& model, const Cluster& c, const StudyOp
   wl.set("target_tokens", io::Json(o.workload.target_tokens));
   wl.set("precision", io::Json(o.workload.precision));
   wl.set("checkpointing", io::Json(o.workload.checkpointing));
+  wl.set("synthetic_data", io::Json(o.workload.synthetic_data));
   wl.set("conventions", io::Json(o.conventions));
   root.set("workload", wl);
   io::Json arr = io::Json::array();
@@ -251,14 +255,24 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     w.micro_batches = 1;
     const Plan plan = named_plan(r.strategy, nproc);
     if (r.measured_oom) {
-      // Nothing ran: does the model agree that the smallest batch tried does not fit?
-      int64_t smallest = 1 << 30;
-      for (const auto& b : settings.at("batch_sizes", what).elements(what)) smallest = std::min(smallest, b.integer(what));
-      w.batch_size = smallest;
-      const auto e = estimate(m, c, w, plan);
-      r.predicted_oom = !e.fits;
-      r.predicted_bytes = e.memory_bytes;
-      r.batch_size = smallest;
+      // Nothing ran: does the model agree that no batch tried runs? Shown: the smallest batch
+      // the plan can run at all (a replica needs a sample) and its predicted memory.
+      std::vector<int64_t> tried;
+      for (const auto& b : settings.at("batch_sizes", what).elements(what)) tried.push_back(b.integer(what));
+      std::sort(tried.begin(), tried.end());
+      r.predicted_oom = true;
+      r.batch_size = tried.empty() ? 1 : tried.front();
+      bool shown = false;
+      for (int64_t b : tried) {
+        w.batch_size = b;
+        const auto e = estimate(m, c, w, plan);
+        r.predicted_oom = r.predicted_oom && !e.fits;
+        if (!shown && e.memory_bytes > 0) {
+          r.batch_size = b;
+          r.predicted_bytes = e.memory_bytes;
+          shown = true;
+        }
+      }
     } else {
       w.batch_size = r.batch_size;
       r.measured_s = p.at("step_time_s", what).number(what + " step_time_s");
@@ -289,6 +303,7 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
        << " | " << fmt("%+.0f%%", 100 * r.error()) << " | " << fmt("%.0f", r.measured_peak_bytes / 1048576.0) << " | "
        << fmt("%.0f", r.predicted_bytes / 1048576.0) << " |\n";
     sum_abs += std::fabs(r.error());
+    if (std::fabs(r.error()) <= 0.2) ++v.within_20;
     ++n;
   }
   os << "\nranking of the strategies by throughput at each length (measured / predicted):\n";
@@ -309,10 +324,30 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     const auto meas = order(false), pred = order(true);
     ++v.lengths;
     if (meas == pred) ++v.rankings_matched;
-    os << "- " << len << " patches: " << meas << " / " << pred << (meas == pred ? " (same)" : " (DIFFERENT)") << "\n";
+    os << "- " << len << " patches: " << meas << " / " << pred << (meas == pred ? " (same)" : " (DIFFERENT)");
+    // Pairs that ran: measured apart by more than the tie margin, does the model agree?
+    std::string ties;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      for (size_t j = i + 1; j < rows.size(); ++j) {
+        const auto *a = rows[i], *b = rows[j];
+        if (a->measured_oom || b->measured_oom) continue;
+        const double ma = static_cast<double>(a->batch_size) / a->measured_s, mb = static_cast<double>(b->batch_size) / b->measured_s;
+        if (std::fabs(ma / mb - 1) * 100 <= Validation::kTiePercent) {
+          ties += (ties.empty() ? "" : ", ") + a->strategy + " ~ " + b->strategy + fmt(" (%.1f%%)", 100 * std::fabs(ma / mb - 1));
+          continue;
+        }
+        ++v.decisive_pairs;
+        const double pa = a->predicted_oom ? 0 : static_cast<double>(a->batch_size) / a->predicted_s;
+        const double pb = b->predicted_oom ? 0 : static_cast<double>(b->batch_size) / b->predicted_s;
+        if ((ma > mb) == (pa > pb)) ++v.decisive_matched;
+      }
+    }
+    os << (ties.empty() ? "" : "; measured within " + fmt("%.0f%%", Validation::kTiePercent) + ": " + ties) << "\n";
   }
   os << "\nmean |error| " << fmt("%.0f%%", n ? 100 * sum_abs / static_cast<double>(n) : 0.0) << " over " << n
-     << " points; rankings matched at " << v.rankings_matched << " of " << v.lengths << " lengths\n";
+     << " points, " << v.within_20 << " within 20%; rankings matched at " << v.rankings_matched << " of " << v.lengths
+     << " lengths; pairs of strategies measured more than " << fmt("%.0f%%", Validation::kTiePercent)
+     << " apart ordered as measured: " << v.decisive_matched << " of " << v.decisive_pairs << "\n";
   v.table = os.str();
   return v;
 }

@@ -57,6 +57,11 @@ struct ValidationRow {
 struct Validation {
   std::vector<ValidationRow> rows;
   int64_t lengths = 0, rankings_matched = 0;
+  int64_t within_20 = 0;  // points whose predicted step time is within 20% of the measured one
+  // Pairs of strategies at one length whose measured throughputs differ by more than
+  // kTiePercent (repeated sweeps differ by about that much), and those the model orders alike.
+  int64_t decisive_pairs = 0, decisive_matched = 0;
+  static constexpr double kTiePercent = 5;
   std::string table;
 };
 Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& w, const std::string& results_json,

@@ -53,7 +53,8 @@ std::string metrics_json(const StepMetrics& m) {
      << ", \"model_flops\": " << m.model_flops << ", \"comm_s\": " << m.comm_s
      << ", \"comm_calls\": " << m.comm_calls << ", \"comm_bytes\": " << m.comm_bytes
      << ", \"wait_s\": " << m.wait_s << ", \"data_wait_s\": " << m.data_wait_s
-     << ", \"skipped_samples\": " << m.skipped_samples << ", \"samples\": " << m.samples;
+     << ", \"skipped_samples\": " << m.skipped_samples << ", \"samples\": " << m.samples
+     << ", \"samples_s\": " << m.samples_s << ", \"update_s\": " << m.update_s;
   auto list = [&](const char* key, const std::vector<double>& v) {
     os << ", \"" << key << "\": [";
     for (size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
@@ -65,6 +66,7 @@ std::string metrics_json(const StepMetrics& m) {
   list("idle_s_per_rank", m.idle_s_per_rank);
   list("vision_s_per_rank", m.vision_s_per_rank);
   list("text_s_per_rank", m.text_s_per_rank);
+  list("update_s_per_rank", m.update_s_per_rank);
   os << "}";
   return os.str();
 }
@@ -360,9 +362,11 @@ StepMetrics Trainer::train_step() {
   parallel_->zero_grad();  // the last step's gradients go before this step's pixels arrive
   memory_mark("step start");
   const double data_wait0 = loader_ ? loader_->wait_seconds() : 0;
+  Timer samples_timer;
   auto micro = next_step_samples();
   memory_mark("samples");
   StepMetrics m;
+  m.samples_s = samples_timer.seconds();
   if (loader_) {
     m.data_wait_s = loader_->wait_seconds() - data_wait0;
     m.skipped_samples = loader_->skipped();
@@ -381,7 +385,9 @@ StepMetrics Trainer::train_step() {
   double loss_sum = fb.loss_sum;
   m.wait_s = fb.wait_s;
   m.lr = lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
+  Timer update_timer;
   m.grad_norm = parallel_->finish_step(m.lr, cfg_.training.grad_clip);
+  m.update_s = update_timer.seconds();
   loss_sum = parallel_->sum_over_job(loss_sum);
   ++step_;
   m.step = step_;
@@ -395,9 +401,10 @@ StepMetrics Trainer::train_step() {
   m.comm_calls = comm1.calls - comm0.calls;
   m.comm_bytes = comm1.bytes - comm0.bytes;
   // Busy = the step minus the time blocked on the other module (idle).
-  constexpr size_t kFigures = 6;
+  constexpr size_t kFigures = 7;
   const auto per_rank = parallel_->gather_over_job({static_cast<double>(memory_peak_bytes()), m.comm_s,
-                                                    m.step_time_s - m.wait_s, m.wait_s, fb.vision_s, fb.text_s});
+                                                    m.step_time_s - m.wait_s, m.wait_s, fb.vision_s, fb.text_s,
+                                                    m.update_s});
   for (size_t r = 0; r < per_rank.size() / kFigures; ++r) {
     m.peak_bytes_per_rank.push_back(per_rank[kFigures * r]);
     m.comm_s_per_rank.push_back(per_rank[kFigures * r + 1]);
@@ -405,6 +412,7 @@ StepMetrics Trainer::train_step() {
     m.idle_s_per_rank.push_back(per_rank[kFigures * r + 3]);
     m.vision_s_per_rank.push_back(per_rank[kFigures * r + 4]);
     m.text_s_per_rank.push_back(per_rank[kFigures * r + 5]);
+    m.update_s_per_rank.push_back(per_rank[kFigures * r + 6]);
   }
   return m;
 }
@@ -553,7 +561,11 @@ EvalResult Trainer::run() {
   double data_wait = 0;
   int64_t skipped = 0;
   for (int64_t s = step_; s < cfg_.training.steps; ++s) {
-    auto m = train_step();
+    StepMetrics m;
+    {
+      StepProfiler profile(s + 1, rt_.rank);
+      m = train_step();
+    }
     data_wait += m.data_wait_s;
     skipped = m.skipped_samples;
     const bool last = step_ == cfg_.training.steps;

@@ -32,6 +32,8 @@ struct StepMetrics {
   double comm_s = 0;           // this rank's time inside collectives during the step
   int64_t comm_calls = 0;
   int64_t comm_bytes = 0;
+  double samples_s = 0;        // making (or taking from the loader) this step's samples
+  double update_s = 0;         // this rank's finish_step: gradient reductions, norm, clipping, optimizer
   double wait_s = 0;           // this rank's time blocked on the other module (schedule receives)
   double data_wait_s = 0;      // rank 0's time waiting for the data loader's samples
   int64_t skipped_samples = 0; // bad samples skipped so far (llava; see the log for the reasons)
@@ -39,6 +41,7 @@ struct StepMetrics {
   // Per rank of the job, rank-major (rank 0 has them all; other ranks their own only).
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
   std::vector<double> vision_s_per_rank, text_s_per_rank;  // time in each module's forward/backward
+  std::vector<double> update_s_per_rank;                    // time in finish_step (update_s)
 };
 
 struct EvalResult {
