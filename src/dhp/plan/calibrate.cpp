@@ -233,14 +233,22 @@ Cluster calibrate_local(const CalibrateOptions& o) {
   } else {
     c.intra = c.inter = {1e12, 0, 0, 0};
   }
-  // GEMM rate per rank with every rank busy, at a shape the models' GEMMs reach.
+  // GEMM rate per rank with every rank busy, as training runs them: a linear layer's forward
+  // and backward (input and weight gradients) under autograd, 1024 rows of width 512.
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-    const int64_t n = 512;
-    const double secs = concurrent_median(R, 48, [&] {  // long enough (~0.1 s) for the ranks to time-slice
-      auto a = torch::randn({n, n}).to(dtype), b = torch::randn({n, n}).to(dtype);
-      return std::function<void()>([a, b] { (void)torch::matmul(a, b); });
+    const int64_t m = 1024, n = 512;
+    const double secs = concurrent_median(R, 16, [&] {  // long enough (~0.1 s) for the ranks to time-slice
+      auto x = torch::randn({m, n}).to(dtype).requires_grad_(true);
+      auto w = torch::randn({n, n}).to(dtype).requires_grad_(true);
+      auto g = torch::randn({m, n}).to(dtype);
+      return std::function<void()>([x, w, g] {
+        torch::AutoGradMode grad(true);
+        x.mutable_grad() = torch::Tensor();
+        w.mutable_grad() = torch::Tensor();
+        torch::linear(x, w).backward(g);
+      });
     });
-    const double rate = 2.0 * n * n * n / secs;
+    const double rate = 3 * 2.0 * m * n * n / secs;
     (dtype == torch::kFloat32 ? c.flops_fp32 : c.flops_bf16) = rate;
     say(std::string(dtype == torch::kFloat32 ? "fp32" : "bf16") + " GEMM " + std::to_string(rate / 1e9) +
         " GFLOP/s per rank");
