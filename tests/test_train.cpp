@@ -3,8 +3,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
 #include "dhp/train/optim.h"
 #include "dhp/train/trainer.h"
+#include "files.h"
 
 namespace {
 
@@ -67,6 +73,40 @@ TEST(Train, LearnsTheShapesTask) {
   dhp::train::Trainer t(cfg);
   auto l = losses(t, 40);
   EXPECT_LT(l.back(), 0.5 * l.front()) << l.front() << " -> " << l.back();
+}
+
+// The step's phases in metrics.jsonl, and DHP_PROFILE's trace of exactly the chosen step.
+TEST(Train, PhaseTimesAndOneStepProfile) {
+  dhp::testing::TempDir dir("train_profile");
+  const auto trace_dir = dir.path() / "trace";
+  setenv("DHP_PROFILE", trace_dir.c_str(), 1);
+  setenv("DHP_PROFILE_STEP", "2", 1);
+  {
+    dhp::train::Trainer t(small_config({"training.steps=2", "data.eval_samples=0", "checkpoint.at_end=false",
+                                        "output.dir=" + (dir.path() / "run").string()}));
+    t.run();
+  }
+  unsetenv("DHP_PROFILE");
+  unsetenv("DHP_PROFILE_STEP");
+  std::ifstream trace(trace_dir / "rank0.trace.json");
+  ASSERT_TRUE(trace.good()) << "no trace written";
+  std::stringstream ss;
+  ss << trace.rdbuf();
+  EXPECT_NE(ss.str().find("aten::mm"), std::string::npos);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(trace_dir), std::filesystem::directory_iterator()), 1);
+  std::ifstream metrics(dir.path() / "run" / "metrics.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(metrics, line)) {
+    ++lines;
+    // Each a positive time (the list: its first rank's).
+    for (const std::string key : {"\"samples_s\": ", "\"update_s\": ", "\"update_s_per_rank\": ["}) {
+      const auto at = line.find(key);
+      ASSERT_NE(at, std::string::npos) << key << " missing in " << line;
+      EXPECT_GT(std::atof(line.c_str() + at + key.size()), 0) << key << " in " << line;
+    }
+  }
+  EXPECT_EQ(lines, 2);
 }
 
 TEST(Optim, LrScheduleWarmupThenCosine) {
