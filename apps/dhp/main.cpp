@@ -11,6 +11,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -485,23 +486,21 @@ int cmd_plan(int argc, char** argv, int first) {
   for (const auto& s : o.strategies) dhp::plan::named_plan(s, 1);  // names checked before the work
   dhp::qwen::ModelConfig m;
   std::string model_name = model;
-  int64_t attention_block = 0;
+  std::optional<dhp::Config> cfg;
   if (!config.empty() || !sets.empty()) {
-    const auto cfg = dhp::load_config(config, sets);
-    attention_block = cfg.training.attention_block;
-    m = cfg.model.config;
-    model_name = cfg.model.preset;
-    if (!precision_given) o.workload.precision = cfg.training.precision;
-    if (!ckpt_given) o.workload.checkpointing = cfg.training.activation_checkpointing;
-    o.workload.synthetic_data = cfg.data.dataset == "shapes";
-    if (!text_given && cfg.data.dataset == "shapes") {  // the task's mean text and answer tokens
-      std::tie(o.workload.text_tokens, o.workload.target_tokens) = dhp::train::shapes_text_tokens(cfg);
+    cfg = dhp::load_config(config, sets);
+    m = cfg->model.config;
+    model_name = cfg->model.preset;
+    if (!precision_given) o.workload.precision = cfg->training.precision;
+    if (!ckpt_given) o.workload.checkpointing = cfg->training.activation_checkpointing;
+    if (!text_given && cfg->data.dataset == "shapes") {  // the task's mean text and answer tokens
+      std::tie(o.workload.text_tokens, o.workload.target_tokens) = dhp::train::shapes_text_tokens(*cfg);
     }
   } else {
     m = dhp::qwen::preset(model);
   }
   auto c = dhp::plan::cluster_preset(cluster);
-  if (c.attention_block > 0 && attention_block > 0) c.attention_block = attention_block;  // dhp's CPU attention as configured
+  if (cfg) dhp::train::apply_runtime(*cfg, c, o.workload);
   if (!memory.empty()) {
     c.memory_bytes = static_cast<double>(dhp::parse_bytes(memory, "--memory-per-device"));
     c.reserved_bytes = 0;

@@ -87,11 +87,11 @@ StepProfiler::StepProfiler(int64_t step, int64_t rank) {
   const char* at = std::getenv("DHP_PROFILE_STEP");
   if (step != (at && *at ? std::atoll(at) : 3)) return;
   std::filesystem::create_directories(dir);
-  impl_ = new Impl;
+  impl_ = std::make_unique<Impl>();
   impl_->record = std::make_unique<torch::autograd::profiler::RecordProfile>(
       (std::filesystem::path(dir) / ("rank" + std::to_string(rank) + ".trace.json")).string());
 }
 
-StepProfiler::~StepProfiler() { delete impl_; }
+StepProfiler::~StepProfiler() = default;
 
 }  // namespace dhp

@@ -4,6 +4,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace dhp {
@@ -20,10 +21,6 @@ double gemm_gflops(c10::ScalarType dtype, int64_t n, int reps);
 // The GEMM peak: the best of gemm_gflops over square sizes 512, 1024, 2048 (1024 only when quick).
 double gemm_peak_gflops(c10::ScalarType dtype, bool quick = false);
 
-}  // namespace dhp
-
-namespace dhp {
-
 // Op-level profile of one training step for diagnosis: with DHP_PROFILE=DIR in the
 // environment, the step numbered DHP_PROFILE_STEP (default 3) of each rank is recorded with
 // libtorch's profiler and written as a Chrome trace to DIR/rank<R>.trace.json. Construct
@@ -38,7 +35,7 @@ class StepProfiler {
 
  private:
   struct Impl;
-  Impl* impl_ = nullptr;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace dhp

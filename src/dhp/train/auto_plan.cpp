@@ -33,6 +33,11 @@ std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg) {
   return {(text + n / 2) / n, std::max<int64_t>(1, (targets + n / 2) / n)};
 }
 
+void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w) {
+  if (c.attention_block > 0) c.attention_block = cfg.training.attention_block;
+  w.synthetic_data = cfg.data.dataset == "shapes";
+}
+
 Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
   if (cfg.parallel.strategy != "auto") return cfg;
   Config out = cfg;
@@ -45,7 +50,6 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
     return out;
   }
   auto c = plan::cluster_preset("localx" + std::to_string(world));
-  if (c.attention_block > 0) c.attention_block = cfg.training.attention_block;  // dhp's CPU attention as configured
   if (const int64_t limit = parse_bytes(cfg.training.memory_limit, "training.memory_limit"); limit > 0) {
     c.memory_bytes = static_cast<double>(limit);
     c.reserved_bytes = 0;
@@ -59,7 +63,6 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
     side = unit * std::max<int64_t>(1, std::llround(0.5 * static_cast<double>(cfg.data.min_side + cfg.data.max_side) /
                                                     static_cast<double>(unit)));
     std::tie(w.text_tokens, w.target_tokens) = shapes_text_tokens(cfg);
-    w.synthetic_data = true;
   } else {  // llava: the largest image the processor makes (the memory bound), 64 text tokens
     side = unit * std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(cfg.data.max_pixels))) / unit);
   }
@@ -70,6 +73,7 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
   w.micro_batches = cfg.training.micro_batches;
   w.precision = cfg.training.precision;
   w.checkpointing = cfg.training.activation_checkpointing;
+  apply_runtime(cfg, c, w);
   std::vector<plan::Estimate> ok;
   std::map<std::string, int64_t> reasons;
   for (const auto& cand : plan::candidate_plans(c, "dhp")) {

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "dhp/plan/cost_model.h"
 #include "dhp/train/config.h"
 
 namespace dhp::train {
@@ -22,5 +23,10 @@ std::string auto_calibration_path(int64_t world);
 
 // Mean text tokens (besides the image's) and answer tokens of the shapes task's samples.
 std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg);
+
+// What the runtime configured by `cfg` does that the cost model needs: dhp's CPU attention
+// block (on a cluster that runs it, attention_block > 0) and whether every rank draws its
+// samples inside the step (the shapes task).
+void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w);
 
 }  // namespace dhp::train
