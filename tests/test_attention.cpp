@@ -17,6 +17,14 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
+// Offsets of segments of the given lengths, repeated `times` times.
+std::vector<int64_t> repeated(const std::vector<int64_t>& lens, int times) {
+  std::vector<int64_t> cu{0};
+  for (int t = 0; t < times; ++t)
+    for (int64_t l : lens) cu.push_back(cu.back() + l);
+  return cu;
+}
+
 class AttentionParity : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AttentionParity, ValuesAndGradsMatchNaive) {
@@ -49,7 +57,11 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"long_blockwise", {0, 100, 130}, false, 16},
         Case{"long_blockwise_causal", {0, 100, 130}, true, 16},
         Case{"mixed_causal_ragged_blocks", {0, 5, 61, 62, 150}, true, 24},
-        Case{"single_token_segments", {0, 1, 2, 3}, false, 8}),
+        Case{"single_token_segments", {0, 1, 2, 3}, false, 8},
+        // Buckets split in chunks of block^2 pairs: 4-token segments 16 per chunk, 8-token 4 per
+        // chunk (40 and 10 segments: full chunks and a partial last one), interleaved.
+        Case{"dense_buckets_in_chunks", repeated({4, 3, 8, 4}, 10), false, 16},
+        Case{"dense_buckets_in_chunks_causal", repeated({8, 2, 5}, 9), true, 16}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(Attention, BlockwiseMemoryIsLinearInSequence) {
