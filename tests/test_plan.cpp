@@ -139,6 +139,44 @@ TEST(PlanFormulas, DhpCpuAttentionPairs) {
   EXPECT_DOUBLE_EQ(attention_pairs(cpu, 600, true), 256.0 * 256 + 256.0 * 512 + 88.0 * 600);
 }
 
+TEST(PlanFormulas, AttentionRateBySegmentLength) {
+  Cluster c;
+  c.flops_bf16 = 1e12;
+  c.attention_efficiency = 0.5;
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 64), 5e11);  // no measurement: peak x efficiency
+  c.attention_flops = 8e10;
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 64), 8e10);  // one measured rate for every length
+  c.attention_block = 256;
+  c.attention_dense_len = {32, 64, 128, 256};
+  c.attention_dense_flops = {2e10, 3e10, 5e10, 6e10};
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 64), 3e10);
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 50), 3e10);   // padded to 64, as the kernel pads
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 20), 2e10);   // flat below the table
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 256), 6e10);
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 257), 8e10);  // longer than the block: blockwise
+  c.attention_dense_len = {64, 256};
+  c.attention_dense_flops = {3e10, 5e10};
+  EXPECT_DOUBLE_EQ(attention_rate(c, "bf16", 128), 4e10);  // halfway in log length
+  // The estimate charges each window at its length's rate: halving the dense rates doubles
+  // the vision's attention time of a windows-only tower.
+  const auto m = dhp::load_config(std::string(DHP_SOURCE_DIR) + "/configs/bench.yaml", {}).model.config;
+  auto mw = m;
+  mw.vision.fullatt_block_indexes.clear();
+  auto cl = toy_cluster();
+  cl.attention_flops = 8e10;
+  cl.attention_block = 256;
+  cl.attention_dense_len = {32, 256};
+  cl.attention_dense_flops = {4e10, 4e10};
+  Workload w;
+  w.vision_tokens = 1024;
+  w.batch_size = 2;
+  const auto fast = estimate(mw, cl, w, named_plan("tp", cl.devices()));
+  cl.attention_dense_flops = {2e10, 2e10};
+  const auto slow = estimate(mw, cl, w, named_plan("tp", cl.devices()));
+  ASSERT_GT(fast.vision.attention_s, 0) << fast.reason;
+  EXPECT_NEAR(slow.vision.attention_s / fast.vision.attention_s, 2.0, 1e-9);
+}
+
 TEST(PlanFormulas, CollectiveWaitAfterComputeInterpolates) {
   Link l{1e9, 1e-4};
   EXPECT_DOUBLE_EQ(l.sync_seconds(0.5), 1e-4);  // no table: the latency
@@ -317,6 +355,12 @@ TEST(PlanCalibration, MeasuresThisMachineAndReadsBack) {
   EXPECT_GT(c.synthetic_s_per_patch, 0);
   EXPECT_EQ(back.synthetic_s_per_patch, c.synthetic_s_per_patch);
   EXPECT_EQ(back.attention_block, 256);
+  // The dense path's rates by segment length, 32 to the block.
+  EXPECT_EQ(c.attention_dense_len, (std::vector<double>{32, 64, 128, 256}));
+  ASSERT_EQ(c.attention_dense_flops.size(), 4u);
+  for (double r : c.attention_dense_flops) EXPECT_GT(r, 1e7);
+  EXPECT_EQ(back.attention_dense_len, c.attention_dense_len);
+  EXPECT_EQ(back.attention_dense_flops, c.attention_dense_flops);
   EXPECT_EQ(back.devices(), 2);
   EXPECT_THROW(load_local_cluster((dir.path() / "none.json").string()), dhp::Error);
 }

@@ -376,6 +376,34 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     c.attention_flops = 3.5 * fwd_flops / secs;  // the model charges forward 1x + backward 2.5x
     say("attention " + std::to_string(c.attention_flops / 1e9) + " GFLOP/s per rank");
   }
+  // The dense path of short segments (vision windows, short text samples): 4,096 tokens in
+  // segments of 32 to the block's length, batched as the kernel batches them. Its rate
+  // falls with the length (the soft-max's element-wise work per pair is the same, the
+  // GEMMs' per pair too, but the batched products get smaller): 64-token windows ran at
+  // about half the long-segment rate.
+  {
+    const int64_t S = 4096, H = 4, D = 64;
+    const int64_t block = nn::VarlenAttentionOptions{}.block_size;
+    std::string rates;
+    for (int64_t len = 32; len <= block; len *= 2) {
+      std::vector<int64_t> cu;
+      for (int64_t p = 0; p <= S; p += len) cu.push_back(p);
+      const double secs = concurrent_median(R, 5, [&] {
+        auto q = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
+        auto k = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
+        auto v = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
+        return std::function<void()>([q, k, v, cu] {
+          torch::AutoGradMode grad(true);
+          nn::varlen_attention(q, k, v, cu).sum().backward();
+        });
+      });
+      const double fwd_flops = 4.0 * static_cast<double>(S / len) * len * len * D * H;
+      c.attention_dense_len.push_back(static_cast<double>(len));
+      c.attention_dense_flops.push_back(3.5 * fwd_flops / secs);
+      rates += (rates.empty() ? "" : ", ") + std::to_string(len) + ": " + std::to_string(static_cast<int>(3.5 * fwd_flops / secs / 1e9));
+    }
+    say("attention on short segments (dense path), GFLOP/s per rank by length: " + rates);
+  }
   c.source = "measured by dhp plan --calibrate with " + std::to_string(R) + " rank(s) x " + std::to_string(o.threads) +
              " thread(s), element-wise in " + o.precision;
   torch::set_num_threads(old_threads);
@@ -400,6 +428,11 @@ void save_cluster(const Cluster& c, const std::string& path) {
   j.set("attention_flops", io::Json(c.attention_flops));
   j.set("attention_tile", io::Json(c.attention_tile));
   j.set("attention_block", io::Json(c.attention_block));
+  io::Json dl = io::Json::array(), df = io::Json::array();
+  for (double x : c.attention_dense_len) dl.push(io::Json(x));
+  for (double y : c.attention_dense_flops) df.push(io::Json(y));
+  j.set("attention_dense_len", dl);
+  j.set("attention_dense_flops", df);
   j.set("hbm_bandwidth", io::Json(c.hbm_bandwidth));
   j.set("hbm_efficiency", io::Json(c.hbm_efficiency));
   j.set("launch_s", io::Json(c.launch_s));
@@ -453,6 +486,14 @@ Cluster load_local_cluster(const std::string& path) {
   c.attention_flops = num("attention_flops");
   c.attention_tile = j.at("attention_tile", what).integer(what + " attention_tile");
   if (const auto* v = j.find("attention_block")) c.attention_block = v->integer(what + " attention_block");
+  for (const char* k : {"attention_dense_len", "attention_dense_flops"}) {
+    auto& out = std::string(k) == "attention_dense_len" ? c.attention_dense_len : c.attention_dense_flops;
+    if (const auto* v = j.find(k)) {
+      for (const auto& e : v->elements(what + " " + k)) out.push_back(e.number(what + " " + k));
+    }
+  }
+  DHP_CHECK(c.attention_dense_len.size() == c.attention_dense_flops.size(), path,
+            ": attention_dense_len and attention_dense_flops differ in length; run `dhp plan --calibrate` again");
   c.hbm_bandwidth = num("hbm_bandwidth");
   c.hbm_efficiency = num("hbm_efficiency");
   c.launch_s = num("launch_s");

@@ -100,6 +100,24 @@ double attention_pairs(const Cluster& c, double L, bool causal) {
   return pairs;
 }
 
+double attention_rate(const Cluster& c, const std::string& precision, double L) {
+  const auto& x = c.attention_dense_len;
+  const auto& y = c.attention_dense_flops;
+  if (c.attention_block > 0 && L <= static_cast<double>(c.attention_block) && !x.empty() && x.size() == y.size()) {
+    double p = 1;  // the padded length the kernel computes
+    while (p < L) p *= 2;
+    if (p <= x.front()) return y.front();
+    for (size_t i = 1; i < x.size(); ++i) {
+      if (p <= x[i]) {
+        const double f = std::log(p / x[i - 1]) / std::log(x[i] / x[i - 1]);
+        return y[i - 1] + f * (y[i] - y[i - 1]);
+      }
+    }
+    return y.back();
+  }
+  return c.attention_flops > 0 ? c.attention_flops : c.flops(precision) * c.attention_efficiency;
+}
+
 namespace {
 
 // The link a group of n ranks crosses: inside a node when it fits in one.
@@ -124,9 +142,9 @@ struct Tally {
   void elementwise(double bytes, double kernels) {
     cost.elementwise_s += (passes_fwd + 2) * elementwise_seconds(c, bytes, kernels);
   }
-  void attention(double flops_fwd) {
-    const double rate = c.attention_flops > 0 ? c.attention_flops : c.flops(precision) * c.attention_efficiency;
-    const double s = flops_fwd / rate;
+  // Forward FLOPs of segments of `segment` tokens (the kernel's rate depends on it).
+  void attention(double flops_fwd, double segment) {
+    const double s = flops_fwd / attention_rate(c, precision, segment);
     cost.attention_s += passes_fwd * s + 2.5 * s;  // FA2 backward: 2.5x the forward's matmul work
   }
   void collective(double seconds, double bytes, int64_t calls) {
@@ -482,8 +500,14 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   // dhp's ZeRO-3 recomputes every unit in backward, checkpointing or not.
   const bool recompute = w.checkpointing || (s.kind == "zero3" && cv.zero3_units);
   Tally tl{c, w.precision, cost, recompute ? 4.0 : 3.0, recompute ? 2.0 : 1.0};
+  // Window layers: pairs of each window, weighted by the kernel's rate at its length relative
+  // to the rate at a whole image's (so that one attention() call at that rate charges them).
   double window_padded = 0;
-  for (size_t i = 0; i + 1 < cu.size(); ++i) window_padded += attention_pairs(c, static_cast<double>(cu[i + 1] - cu[i]), false);
+  const double full_rate = attention_rate(c, w.precision, N);
+  for (size_t i = 0; i + 1 < cu.size(); ++i) {
+    const double len = static_cast<double>(cu[i + 1] - cu[i]);
+    window_padded += attention_pairs(c, len, false) * full_rate / attention_rate(c, w.precision, len);
+  }
   const std::set<int64_t> full(v.fullatt_block_indexes.begin(), v.fullatt_block_indexes.end());
   const double attn_share = static_cast<double>(sh.t * sh.share);  // heads (tp, sp) or windows (sp) split
   for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
@@ -499,7 +523,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
       tl.gemm(M, I / t, h);
       tl.gemm(M, h, I / t);
       const double pairs = full.count(l) ? attention_pairs(c, N, false) : window_padded;
-      tl.attention(4 * hd * heads * pairs * images_mb / attn_share);
+      tl.attention(4 * hd * heads * pairs * images_mb / attn_share, N);
       // Norms and residuals (10h per token) run on every tensor-parallel rank; rotary (4h) and
       // the SwiGLU product (3I) are split.
       tl.elementwise(b * M * (10 * h + (4 * h + 3 * I) / t), 12);
@@ -592,7 +616,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
       tl.gemm(M, I / t, h);
       tl.gemm(M, I / t, h);
       tl.gemm(M, h, I / t);
-      tl.attention(4 * hd * heads / t * samples_mb * attention_pairs(c, L, true));
+      tl.attention(4 * hd * heads / t * samples_mb * attention_pairs(c, L, true), L);
       tl.elementwise(b * M * (10 * h + (2 * h + 2 * kv + 3 * I) / t), 12);
       if (s.kind == "tp") {  // o and down forward (and recomputed); q, k, v, gate, up input grads backward
         const double ab = all_reduce_elem_bytes(c, b);

@@ -53,6 +53,9 @@ struct Cluster {
   double attention_flops = 0;       // measured attention FLOP/s (local); 0: flops x attention_efficiency
   int64_t attention_tile = 128;     // query/key tile of the attention kernel (segments pad to it)
   int64_t attention_block = 0;      // dhp's CPU attention: its block (see attention_pairs); 0: flash tiles
+  // dhp's CPU attention on short segments (at most attention_block tokens, batched densely):
+  // measured FLOP/s by padded segment length (local; empty: attention_flops for every length).
+  std::vector<double> attention_dense_len, attention_dense_flops;
   double hbm_bandwidth = 0;         // bytes/s per device
   double hbm_efficiency = 0;        // fraction reached by element-wise kernels
   double launch_s = 0;              // fixed cost per kernel
@@ -191,6 +194,10 @@ double all_gather_seconds(const Link& link, int64_t n, double bytes);
 double all_to_all_seconds(const Link& link, int64_t n, double bytes);
 // Query-key pairs the attention kernel of c computes for one segment of L tokens.
 double attention_pairs(const Cluster& c, double L, bool causal);
+// FLOP/s of c's attention kernel on a segment of L tokens: the dense-path table for short
+// segments of dhp's CPU attention (interpolated in log length, flat beyond its ends), else
+// attention_flops, else the peak x attention_efficiency.
+double attention_rate(const Cluster& c, const std::string& precision, double L);
 // Forward FLOPs of one image's vision tower (exact: windows from Qwen's window index).
 double vision_image_flops(const qwen::VisionConfig& v, int64_t grid_h, int64_t grid_w);
 
