@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -133,6 +134,35 @@ TEST(Bench, TableShowsRatiosOfTheFirstPoint) {
   EXPECT_NE(md.find("| 64 | 112 | 256 (4) | 171 (4) | OOM | 1.50 | - |"), std::string::npos) << md;
 }
 
+TEST(Bench, RepeatsKeepTheRoundOfMedianStepTime) {
+  PointResult r;
+  r.name = "dhp";
+  std::vector<dhp::bench::RunMetrics> rounds(4);
+  const double step[] = {2.0, 1.0, 4.0, 3.0};
+  for (size_t k = 0; k < 4; ++k) {
+    rounds[k].step_time_s = step[k];
+    rounds[k].tokens_per_s = 10.0 * static_cast<double>(k);  // marks which round was kept
+  }
+  dhp::bench::keep_median_round(r, rounds);
+  EXPECT_DOUBLE_EQ(r.metrics.step_time_s, 2.0);  // the lower of the middle two (2, 3)
+  EXPECT_DOUBLE_EQ(r.metrics.tokens_per_s, 0.0);  // every figure from that one round
+  EXPECT_EQ(r.round_step_s, (std::vector<double>{2, 1, 4, 3}));  // in run order
+  rounds.pop_back();
+  dhp::bench::keep_median_round(r, rounds);
+  EXPECT_DOUBLE_EQ(r.metrics.step_time_s, 2.0);
+  EXPECT_EQ(r.round_step_s.size(), 3u);
+  EXPECT_THROW(dhp::bench::keep_median_round(r, {}), dhp::Error);
+  // The table shows the median with the rounds' range.
+  r.vision_tokens = 64;
+  r.image_side = 112;
+  r.batch_size = 2;
+  dhp::bench::Options o;
+  o.repeats = 3;
+  const auto md = dhp::bench::markdown({r}, o, 100.0);
+  EXPECT_NE(md.find("| 2.000 [1.000-4.000] |"), std::string::npos) << md;
+  EXPECT_NE(md.find("the median of 3 rounds"), std::string::npos) << md;
+}
+
 // A real sweep: 1 process, the demo model, 64 patches per image. First the peaks of batch 1
 // and 4 alone, then a limit halfway between them: the search must keep batch 1 and record
 // batch 4 as out of memory.
@@ -170,6 +200,15 @@ TEST(Bench, MemoryLimitMakesTheSearchKeepASmallerBatch) {
   EXPECT_TRUE(none["oom"].as<bool>());
   EXPECT_EQ(none["batch_size"].as<int64_t>(), 0);
   EXPECT_TRUE(fs::exists(dir / "none" / "table.md"));
+  // Three rounds of the kept batch: each a job of its own, the row the median one.
+  const auto rep = YAML::Load(run_bench(dir / "rep", "--batch-sizes 1 --repeats 3"))["points"][0];
+  const auto steps = rep["round_step_time_s"].as<std::vector<double>>();
+  ASSERT_EQ(steps.size(), 3u);
+  auto sorted = steps;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_DOUBLE_EQ(rep["step_time_s"].as<double>(), sorted[1]);
+  EXPECT_EQ(rep["failed_rounds"].as<int64_t>(), 0);
+  EXPECT_TRUE(fs::exists(dir / "rep" / "runs" / "none_64_b1_r3" / "metrics.jsonl"));
   fs::remove_all(dir);
 }
 

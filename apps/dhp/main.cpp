@@ -290,7 +290,8 @@ int cmd_bench(int argc, char** argv, int first) {
       std::printf(
           "usage: dhp bench [--config FILE] [--set KEY=VALUE]... [--strategies LIST] [--point NAME:K=V;K=V]...\n"
           "                 [--vision-tokens LIST | --image-sides LIST] [--batch-sizes LIST]\n"
-          "                 [--memory-limit SIZE] [--nproc N] [--steps N] [--warmup N] [--out DIR] [--no-plot]\n\n"
+          "                 [--memory-limit SIZE] [--nproc N] [--steps N] [--warmup N] [--repeats N]\n"
+          "                 [--out DIR] [--no-plot]\n\n"
           "For each point and vision length, runs 'dhp train --nproc N' jobs (own worker processes), trying\n"
           "the batch sizes from the largest down and keeping the largest that fits the per-rank memory\n"
           "limit; a length where none fits is recorded as OOM and the sweep goes on. Prints, in one run,\n"
@@ -311,6 +312,10 @@ int cmd_bench(int argc, char** argv, int first) {
           "  --nproc N            worker processes per job (default 2)\n"
           "  --steps N            training steps per job (default 6)\n"
           "  --warmup N           first steps left out of the averages (default 2)\n"
+          "  --repeats N          rounds (default 1): after the first, which finds each point's batch,\n"
+          "                       every point runs again at that batch, point after point, N-1 times;\n"
+          "                       each row is the round of median step time, with the range shown\n"
+          "                       (a shared machine's slow stretch then falls on every point alike)\n"
           "  --out DIR            output directory (default runs/bench)\n"
           "  --no-plot            skip throughput.png\n",
           kConfigFlags);
@@ -339,6 +344,8 @@ int cmd_bench(int argc, char** argv, int first) {
       o.steps = parse_int(f, next());
     } else if (f == "--warmup") {
       o.warmup = parse_int(f, next());
+    } else if (f == "--repeats") {
+      o.repeats = parse_int(f, next());
     } else if (f == "--out") {
       o.out = next();
     } else if (f == "--no-plot") {

@@ -243,6 +243,17 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   return r;
 }
 
+void keep_median_round(PointResult& r, const std::vector<RunMetrics>& rounds) {
+  DHP_CHECK(!rounds.empty(), "point ", r.name, " at ", r.vision_tokens, " patches has no round to keep");
+  std::vector<size_t> order(rounds.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return rounds[a].step_time_s < rounds[b].step_time_s; });
+  r.metrics = rounds[order[(order.size() - 1) / 2]];
+  r.round_step_s.clear();
+  for (const auto& m : rounds) r.round_step_s.push_back(m.step_time_s);
+}
+
 namespace {
 
 // The point at one vision length, before any try: its keys and sizes.
@@ -263,8 +274,9 @@ PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t
 }
 
 // One try of `r` at `batch`: refused before it starts when the layout cannot take the
-// batch, else a `dhp train` job in OUT/runs/<point>_<tokens>_b<batch>. Fills r's layout.
-Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::string& progress) {
+// batch, else a `dhp train` job in OUT/runs/<point>_<tokens>_b<batch><suffix>. Fills r's layout.
+Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::string& progress,
+                  const std::string& suffix = "") {
   Attempt a;
   auto sets = r.sets;
   sets.push_back("data.batch_size=" + std::to_string(batch));
@@ -280,7 +292,7 @@ Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::st
   }
   if (!o.quiet) std::fprintf(stderr, "%s, batch %lld\n", progress.c_str(), static_cast<long long>(batch));
   const fs::path dir =
-      fs::path(o.out) / "runs" / (r.name + "_" + std::to_string(r.vision_tokens) + "_b" + std::to_string(batch));
+      fs::path(o.out) / "runs" / (r.name + "_" + std::to_string(r.vision_tokens) + "_b" + std::to_string(batch) + suffix);
   fs::create_directories(dir);
   std::vector<std::string> argv = {"dhp", "train", "--nproc", std::to_string(o.nproc), "--out", dir.string()};
   if (!o.config.empty()) argv.insert(argv.end(), {"--config", o.config});
@@ -307,6 +319,7 @@ std::vector<PointResult> run(const Options& o) {
   DHP_CHECK(o.steps > o.warmup, "--steps ", o.steps, " must exceed --warmup ", o.warmup);
   DHP_CHECK(o.warmup >= 0, "--warmup must be >= 0, got ", o.warmup);
   DHP_CHECK(o.nproc >= 1, "--nproc must be >= 1, got ", o.nproc);
+  DHP_CHECK(o.repeats >= 1, "--repeats must be >= 1, got ", o.repeats);
   DHP_CHECK(!o.vision_tokens.empty(), "no vision length to measure");
   const auto base = load_config(o.config, o.sets);
   const auto& vc = base.model.config.vision;
@@ -319,21 +332,54 @@ std::vector<PointResult> run(const Options& o) {
   const double peak = gemm_peak_gflops(bf16 ? c10::ScalarType::BFloat16 : c10::ScalarType::Float);
 
   std::vector<PointResult> results;
-  const size_t total = o.points.size() * o.vision_tokens.size();
+  // Jobs to run: every point once, then again in each later round (estimated for the ETA
+  // as if every point fits at its first batch).
+  const size_t points = o.points.size() * o.vision_tokens.size();
+  const size_t total = points * static_cast<size_t>(o.repeats);
+  size_t done = 0;
   const auto t0 = std::chrono::steady_clock::now();
+  auto progress = [&](const std::string& what) {
+    std::string s = "[" + std::to_string(done + 1) + "/" + std::to_string(total) + "] " + what;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (done) s += ", ETA " + fmt_eta(elapsed / static_cast<double>(done) * static_cast<double>(total - done));
+    return s;
+  };
+  auto describe_point = [](const PointResult& r) {
+    return r.name + ", " + std::to_string(r.vision_tokens) + " patches/image (" + std::to_string(r.image_side) + " px)";
+  };
   for (const auto& p : o.points) {
     for (size_t v = 0; v < o.vision_tokens.size(); ++v) {
       auto r = make_point(o, p, o.vision_tokens[v], sides[v]);
-      const size_t done = results.size();
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::string progress = "[" + std::to_string(done + 1) + "/" + std::to_string(total) + "] " + p.name + ", " +
-                             std::to_string(r.vision_tokens) + " patches/image (" + std::to_string(r.image_side) +
-                             " px)";
-      if (done) progress += ", ETA " + fmt_eta(elapsed / static_cast<double>(done) * static_cast<double>(total - done));
-      search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress); }, r);
+      const std::string what = describe_point(r) + (o.repeats > 1 ? ", round 1" : "");
+      search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress(what)); }, r);
+      ++done;
       results.push_back(r);
     }
   }
+  // Later rounds run every point's kept batch again, point after point, so that a slow
+  // stretch of a shared machine falls on every point's rounds alike rather than on one point.
+  std::vector<std::vector<RunMetrics>> rounds(results.size());
+  for (size_t i = 0; i < results.size(); ++i)
+    if (results[i].ok()) rounds[i].push_back(results[i].metrics);
+  for (int64_t k = 2; k <= o.repeats; ++k) {
+    for (size_t i = 0; i < results.size(); ++i) {
+      auto& r = results[i];
+      if (!r.ok()) {
+        ++done;
+        continue;
+      }
+      const std::string what = describe_point(r) + ", round " + std::to_string(k);
+      const auto a = try_batch(o, r, r.batch_size, progress(what), "_r" + std::to_string(k));
+      ++done;
+      if (a.outcome == Outcome::kOk) {
+        rounds[i].push_back(a.metrics);
+      } else {
+        ++r.failed_rounds;  // try_batch logged why
+      }
+    }
+  }
+  for (size_t i = 0; i < results.size(); ++i)
+    if (results[i].ok()) keep_median_round(results[i], rounds[i]);
   const std::string table = markdown(results, o, peak);
   std::printf("%s", table.c_str());
   std::ofstream(fs::path(o.out) / "table.md") << table;

@@ -38,6 +38,8 @@ struct Options {
   int64_t nproc = 2;
   int64_t steps = 6;                       // steps per job
   int64_t warmup = 2;                      // first steps left out of the averages
+  int64_t repeats = 1;                     // rounds: each point's kept batch is run again in
+                                           // rounds 2..N, interleaved, and the median kept
   std::string out = "runs/bench";
   bool plot = true;                        // draw throughput.png with gnuplot when available
   bool quiet = false;                      // no progress lines
@@ -77,8 +79,10 @@ struct PointResult {
   int64_t batch_size = 0;  // the largest that ran; 0 when none did
   bool oom = false;        // nothing ran and at least one batch ran out of memory
   std::string error;       // why nothing ran (when not only OOM)
-  RunMetrics metrics;      // of the kept batch
+  RunMetrics metrics;      // of the kept batch (with --repeats: its round of median step time)
   std::vector<Attempt> attempts;
+  std::vector<double> round_step_s;  // the kept batch's step time in each round that ran, in order
+  int64_t failed_rounds = 0;         // later rounds of the kept batch that failed (logged, left out)
   bool ok() const { return batch_size > 0; }
   // Vision patches per image x batch / step time (the reference's metric); 0 when none ran.
   double throughput() const;
@@ -95,6 +99,11 @@ int64_t image_side_for(int64_t vision_tokens, int64_t patch_size, int64_t merge_
 // out-of-memory and invalid (layout refused for that batch) attempts move on to the next
 // smaller; other failures too, recorded. Fills batch_size, oom, error, metrics, attempts.
 void search_batch(std::vector<int64_t> batch_sizes, const std::function<Attempt(int64_t)>& run, PointResult& r);
+
+// Records the kept batch's rounds (each round's metrics, in run order; at least one) in r:
+// every round's step time, and as r.metrics the round of median step time (for an even count
+// the lower of the middle two), so that every figure of the row comes from one run.
+void keep_median_round(PointResult& r, const std::vector<RunMetrics>& rounds);
 
 // Reads a job's metrics.jsonl, averaging the steps after `warmup`.
 RunMetrics read_metrics(const std::string& path, int64_t warmup);

@@ -1,5 +1,6 @@
 #include "dhp/bench/report.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -81,7 +82,8 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
   std::ostringstream os;
   const auto names = names_in_order(results);
   os << "Throughput = vision patches per image x batch / mean step time (steps " << o.warmup + 1 << "-" << o.steps
-     << "), " << o.nproc << " process(es)"
+     << ")" << (o.repeats > 1 ? ", the median of " + std::to_string(o.repeats) + " rounds (step s: median [min-max])" : "")
+     << ", " << o.nproc << " process(es)"
      << (o.memory_limit.empty() ? "" : ", memory limit " + o.memory_limit + " per rank") << "; (bs) = "
      << (o.batch_sizes.empty() ? std::string("the configured batch size")
                                : "the largest batch of " + json_list(o.batch_sizes) + " that fit")
@@ -124,7 +126,13 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
     }
     const auto& m = r.metrics;
     const double job_gflops = m.model_flops / m.step_time_s / 1e9;
-    os << r.batch_size << " | " << fmt("%.0f", r.throughput()) << " | " << fmt("%.3f", m.step_time_s) << " | "
+    std::string step = fmt("%.3f", m.step_time_s);
+    if (r.round_step_s.size() > 1) {
+      const auto [lo, hi] = std::minmax_element(r.round_step_s.begin(), r.round_step_s.end());
+      step += " [" + fmt("%.3f", *lo) + "-" + fmt("%.3f", *hi) + "]";
+    }
+    if (r.failed_rounds > 0) step += " (" + std::to_string(r.failed_rounds) + " round(s) failed)";
+    os << r.batch_size << " | " << fmt("%.0f", r.throughput()) << " | " << step << " | "
        << fmt("%.0f", m.tokens_per_s) << " | " << joined(m.peak_bytes_per_rank, "%.0f", 1.0 / (1 << 20)) << " | "
        << fmt("%.0f", 100 * m.comm_fraction()) << " | " << fmt("%.1f", job_gflops / static_cast<double>(o.nproc))
        << " | " << fmt("%.1f", gemm_peak > 0 ? 100 * job_gflops / gemm_peak : 0) << " | "
@@ -149,7 +157,7 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
     << ", \"blas\": " << quoted(blas_description()) << ", \"gemm_peak_gflops\": " << gemm_peak
     << ", \"precision\": " << quoted(base.training.precision) << "},\n \"model\": {\"preset\": "
     << quoted(base.model.preset) << ", \"vision_params\": " << pc.vision << ", \"text_params\": " << pc.text
-    << "},\n \"settings\": {\"nproc\": " << o.nproc << ", \"steps\": " << o.steps << ", \"warmup\": " << o.warmup
+    << "},\n \"settings\": {\"nproc\": " << o.nproc << ", \"steps\": " << o.steps << ", \"warmup\": " << o.warmup << ", \"repeats\": " << o.repeats
     << ", \"memory_limit\": " << quoted(o.memory_limit) << ", \"batch_sizes\": " << json_list(o.batch_sizes)
     << ", \"config\": " << quoted(o.config) << "},\n \"points\": [";
   for (size_t i = 0; i < results.size(); ++i) {
@@ -176,7 +184,8 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
         << ", \"idle_fraction_text\": " << m.idle_fraction(r.text_ranks)
         << ", \"vision_s_per_rank\": " << json_list(m.vision_s_per_rank)
         << ", \"text_s_per_rank\": " << json_list(m.text_s_per_rank)
-        << ", \"update_s_per_rank\": " << json_list(m.update_s_per_rank) << ", \"samples_s\": " << m.samples_s;
+        << ", \"update_s_per_rank\": " << json_list(m.update_s_per_rank) << ", \"samples_s\": " << m.samples_s
+        << ", \"round_step_time_s\": " << json_list(r.round_step_s) << ", \"failed_rounds\": " << r.failed_rounds;
     }
     f << ", \"sets\": [";
     for (size_t k = 0; k < r.sets.size(); ++k) f << (k ? ", " : "") << quoted(r.sets[k]);
