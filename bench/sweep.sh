@@ -2,7 +2,7 @@
 # The reference's study on this machine: throughput of dhp, tp and zero3 by vision length,
 # the largest batch of 4, 2, 1 that fits a per-rank memory limit (700 MiB on 2 ranks, 400 MiB
 # on 4; DHP_SWEEP_LIMIT_2 / _4 override), on 2 and then 4 ranks. ~3 and ~15 minutes here.
-#   bash bench/sweep.sh [2|4|all] [extra dhp bench flags]
+#   bash bench/sweep.sh [2|4|all] [extra dhp bench flags, e.g. --repeats 3 on a noisy machine]
 # Writes bench/results/sweep_<N>rank/{table.md,results.json,throughput.png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
