@@ -434,17 +434,20 @@ TEST(PlanValidate, ErrorsTiesAndPairOrder) {
   // Measured: dhp 1.0 s, zero3 1.02 s (2% apart: a tie), tp 2.0 s.
   const std::map<std::string, double> measured{{"dhp", 1.0}, {"zero3", 1.02}, {"tp", 2.0}};
   const auto path = (dir.path() / "results.json").string();
-  {
+  auto write = [&](const std::string& tp_rounds) {
     std::ofstream f(path);
     f << "{\"settings\": {\"nproc\": 2, \"memory_limit\": \"\", \"batch_sizes\": [4]}, \"points\": [";
     bool first = true;
     for (const auto& [s, t] : measured) {
       f << (first ? "" : ", ") << "{\"strategy\": \"" << s << "\", \"vision_tokens\": 256, \"batch_size\": 4, "
-        << "\"oom\": false, \"step_time_s\": " << t << ", \"peak_bytes_per_rank\": [1e8, 1e8]}";
+        << "\"oom\": false, \"step_time_s\": " << t << ", \"peak_bytes_per_rank\": [1e8, 1e8]";
+      if (s == "tp" && !tp_rounds.empty()) f << ", \"round_step_time_s\": " << tp_rounds;
+      f << "}";
       first = false;
     }
     f << "]}\n";
-  }
+  };
+  write("");
   const auto v = validate(cfg.model.config, c, w, path);
   ASSERT_EQ(v.rows.size(), 3u);
   int64_t within = 0;
@@ -459,6 +462,14 @@ TEST(PlanValidate, ErrorsTiesAndPairOrder) {
   EXPECT_EQ(v.decisive_matched, (predicted["dhp"] < predicted["tp"]) + (predicted["zero3"] < predicted["tp"]));
   EXPECT_NE(v.table.find("dhp ~ zero3 (2.0%)"), std::string::npos) << v.table;
   EXPECT_EQ(v.lengths, 1);
+  // Rounds: tp's fastest round (1.01 s) reaches zero3's 1.02 s but not dhp's 1.0 s, so only
+  // dhp > tp stays decided; the table shows tp's range.
+  write("[2.0, 1.01, 2.2]");
+  const auto r = validate(cfg.model.config, c, w, path);
+  EXPECT_EQ(r.decisive_pairs, 1);
+  EXPECT_EQ(r.decisive_matched, predicted["dhp"] < predicted["tp"] ? 1 : 0);
+  EXPECT_NE(r.table.find("rounds' ranges overlap: "), std::string::npos) << r.table;
+  EXPECT_NE(r.table.find("2.000 [1.010-2.200]"), std::string::npos) << r.table;
 }
 
 TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {

@@ -421,7 +421,8 @@ int cmd_plan(int argc, char** argv, int first) {
           "  --out FILE             where --calibrate writes (default runs/plan/local-xN.json)\n"
           "  --against FILE         predict every point of a dhp bench results.json (its strategies,\n"
           "                         lengths, batches and memory limit) and print the error per point\n"
-          "                         and whether the strategies rank as measured\n");
+          "                         and whether the strategies rank as measured (pairs within 5%, or\n"
+          "                         whose rounds overlap under dhp bench --repeats, count as ties)\n");
       return 0;
     } else if (f == "--model") {
       model = next();

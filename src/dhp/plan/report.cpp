@@ -276,6 +276,14 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     } else {
       w.batch_size = r.batch_size;
       r.measured_s = p.at("step_time_s", what).number(what + " step_time_s");
+      r.measured_min_s = r.measured_max_s = r.measured_s;
+      if (const auto* rounds = p.find("round_step_time_s")) {
+        for (const auto& t : rounds->elements(what + " round_step_time_s")) {
+          const double x = t.number(what + " round_step_time_s");
+          r.measured_min_s = std::min(r.measured_min_s, x);
+          r.measured_max_s = std::max(r.measured_max_s, x);
+        }
+      }
       double peak = 0;
       for (const auto& b : p.at("peak_bytes_per_rank", what).elements(what)) peak = std::max(peak, b.number(what));
       r.measured_peak_bytes = peak;
@@ -299,7 +307,11 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
          << fmt("%.0f", r.predicted_bytes / 1048576.0) << " |\n";
       continue;
     }
-    os << fmt("%.3f", r.measured_s) << " | " << fmt("%.3f", r.predicted_s) << (r.predicted_oom ? " (predicted OOM)" : "")
+    os << fmt("%.3f", r.measured_s)
+       << (r.measured_max_s > r.measured_min_s
+               ? " [" + fmt("%.3f", r.measured_min_s) + "-" + fmt("%.3f", r.measured_max_s) + "]"
+               : "")
+       << " | " << fmt("%.3f", r.predicted_s) << (r.predicted_oom ? " (predicted OOM)" : "")
        << " | " << fmt("%+.0f%%", 100 * r.error()) << " | " << fmt("%.0f", r.measured_peak_bytes / 1048576.0) << " | "
        << fmt("%.0f", r.predicted_bytes / 1048576.0) << " |\n";
     sum_abs += std::fabs(r.error());
@@ -326,7 +338,7 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     if (meas == pred) ++v.rankings_matched;
     os << "- " << len << " patches: " << meas << " / " << pred << (meas == pred ? " (same)" : " (DIFFERENT)");
     // Pairs that ran: measured apart by more than the tie margin, does the model agree?
-    std::string ties;
+    std::string ties, overlaps;
     for (size_t i = 0; i < rows.size(); ++i) {
       for (size_t j = i + 1; j < rows.size(); ++j) {
         const auto *a = rows[i], *b = rows[j];
@@ -336,18 +348,29 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
           ties += (ties.empty() ? "" : ", ") + a->strategy + " ~ " + b->strategy + fmt(" (%.1f%%)", 100 * std::fabs(ma / mb - 1));
           continue;
         }
+        // Rounds: throughput ranges batch / slowest .. batch / fastest; overlapping ones are not
+        // told apart by the measurement either.
+        const double lo_a = static_cast<double>(a->batch_size) / a->measured_max_s;
+        const double hi_a = static_cast<double>(a->batch_size) / a->measured_min_s;
+        const double lo_b = static_cast<double>(b->batch_size) / b->measured_max_s;
+        const double hi_b = static_cast<double>(b->batch_size) / b->measured_min_s;
+        if (lo_a <= hi_b && lo_b <= hi_a) {
+          overlaps += (overlaps.empty() ? "" : ", ") + a->strategy + " ~ " + b->strategy;
+          continue;
+        }
         ++v.decisive_pairs;
         const double pa = a->predicted_oom ? 0 : static_cast<double>(a->batch_size) / a->predicted_s;
         const double pb = b->predicted_oom ? 0 : static_cast<double>(b->batch_size) / b->predicted_s;
         if ((ma > mb) == (pa > pb)) ++v.decisive_matched;
       }
     }
-    os << (ties.empty() ? "" : "; measured within " + fmt("%.0f%%", Validation::kTiePercent) + ": " + ties) << "\n";
+    os << (ties.empty() ? "" : "; measured within " + fmt("%.0f%%", Validation::kTiePercent) + ": " + ties)
+       << (overlaps.empty() ? "" : "; rounds' ranges overlap: " + overlaps) << "\n";
   }
   os << "\nmean |error| " << fmt("%.0f%%", n ? 100 * sum_abs / static_cast<double>(n) : 0.0) << " over " << n
      << " points, " << v.within_20 << " within 20%; rankings matched at " << v.rankings_matched << " of " << v.lengths
      << " lengths; pairs of strategies measured more than " << fmt("%.0f%%", Validation::kTiePercent)
-     << " apart ordered as measured: " << v.decisive_matched << " of " << v.decisive_pairs << "\n";
+     << " apart (and, with rounds, their ranges apart) ordered as measured: " << v.decisive_matched << " of " << v.decisive_pairs << "\n";
   v.table = os.str();
   return v;
 }

@@ -51,6 +51,8 @@ struct ValidationRow {
   int64_t vision_tokens = 0, batch_size = 0;
   bool measured_oom = false, predicted_oom = false;
   double measured_s = 0, predicted_s = 0;
+  // The fastest and slowest of the measured rounds (dhp bench --repeats; else measured_s).
+  double measured_min_s = 0, measured_max_s = 0;
   double measured_peak_bytes = 0, predicted_bytes = 0;
   double error() const { return predicted_s / measured_s - 1; }
 };
@@ -59,7 +61,8 @@ struct Validation {
   int64_t lengths = 0, rankings_matched = 0;
   int64_t within_20 = 0;  // points whose predicted step time is within 20% of the measured one
   // Pairs of strategies at one length whose measured throughputs differ by more than
-  // kTiePercent (repeated sweeps differ by about that much), and those the model orders alike.
+  // kTiePercent (repeated sweeps differ by about that much) and, where the sweep ran rounds,
+  // whose rounds' ranges do not overlap; and those the model orders alike.
   int64_t decisive_pairs = 0, decisive_matched = 0;
   static constexpr double kTiePercent = 5;
   std::string table;
