@@ -360,47 +360,42 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     c.synthetic_s_per_patch = secs / static_cast<double>(patches);
     say("synthetic samples " + std::to_string(c.synthetic_s_per_patch * 1e6) + " us per patch");
   }
-  // Attention forward + backward (bf16 in, fp32 math) of one 1024-token segment.
-  {
-    const int64_t S = 1024, H = 4, D = 64;
-    const double secs = concurrent_median(R, 6, [&] {
+  // Attention forward + backward (bf16 in, fp32 math, 4 heads of 64) of segments `cu`: FLOP/s
+  // as the model charges it (forward 1x + backward 2.5x the forward's 4 x D x H x len^2 each).
+  auto measure_attention = [&](int64_t rounds, const std::vector<int64_t>& cu) {
+    const int64_t S = cu.back(), H = 4, D = 64;
+    const double secs = concurrent_median(R, rounds, [&] {
       auto q = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
       auto k = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
       auto v = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
-      return std::function<void()>([q, k, v, S] {
+      return std::function<void()>([q, k, v, cu] {
         torch::AutoGradMode grad(true);
-        nn::varlen_attention(q, k, v, {0, S}).sum().backward();
+        nn::varlen_attention(q, k, v, cu).sum().backward();
       });
     });
-    const double fwd_flops = 4.0 * S * S * D * H;
-    c.attention_flops = 3.5 * fwd_flops / secs;  // the model charges forward 1x + backward 2.5x
-    say("attention " + std::to_string(c.attention_flops / 1e9) + " GFLOP/s per rank");
-  }
+    double pairs = 0;
+    for (size_t i = 0; i + 1 < cu.size(); ++i) pairs += static_cast<double>(cu[i + 1] - cu[i]) * (cu[i + 1] - cu[i]);
+    return 3.5 * 4.0 * D * H * pairs / secs;
+  };
+  // One 1024-token segment (the blockwise path).
+  c.attention_flops = measure_attention(6, {0, 1024});
+  say("attention " + std::to_string(c.attention_flops / 1e9) + " GFLOP/s per rank");
   // The dense path of short segments (vision windows, short text samples): 4,096 tokens in
   // segments of 32 to the block's length, batched as the kernel batches them. Its rate
   // falls with the length (the soft-max's element-wise work per pair is the same, the
   // GEMMs' per pair too, but the batched products get smaller): 64-token windows ran at
   // about half the long-segment rate.
   {
-    const int64_t S = 4096, H = 4, D = 64;
+    const int64_t S = 4096;
     const int64_t block = nn::VarlenAttentionOptions{}.block_size;
     std::string rates;
     for (int64_t len = 32; len <= block; len *= 2) {
       std::vector<int64_t> cu;
       for (int64_t p = 0; p <= S; p += len) cu.push_back(p);
-      const double secs = concurrent_median(R, 5, [&] {
-        auto q = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
-        auto k = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
-        auto v = torch::randn({S, H, D}).to(torch::kBFloat16).requires_grad_(true);
-        return std::function<void()>([q, k, v, cu] {
-          torch::AutoGradMode grad(true);
-          nn::varlen_attention(q, k, v, cu).sum().backward();
-        });
-      });
-      const double fwd_flops = 4.0 * static_cast<double>(S / len) * len * len * D * H;
+      const double rate = measure_attention(5, cu);
       c.attention_dense_len.push_back(static_cast<double>(len));
-      c.attention_dense_flops.push_back(3.5 * fwd_flops / secs);
-      rates += (rates.empty() ? "" : ", ") + std::to_string(len) + ": " + std::to_string(static_cast<int>(3.5 * fwd_flops / secs / 1e9));
+      c.attention_dense_flops.push_back(rate);
+      rates += (rates.empty() ? "" : ", ") + std::to_string(len) + ": " + std::to_string(static_cast<int>(rate / 1e9));
     }
     say("attention on short segments (dense path), GFLOP/s per rank by length: " + rates);
   }
