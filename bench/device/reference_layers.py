@@ -264,6 +264,7 @@ def main():
     for kind in ("vision", "text"):
         for impl in ("plain", "dtensor"):
             measure(kind, "tp", 0, 64, 64, impl)
+    measure("vision", "sp", 0, 64, 64, "plain")  # Ulysses' plain vision block: whole weights
     for n in lengths:
         # Vision under TP8: every rank all 8 images, its slice of the weights; window and full layers.
         for seg, what in ((VISION["window"], "window"), (n, "full")):

@@ -1,25 +1,64 @@
 #!/usr/bin/env bash
 # The device check, prepared to run in one call of the device tool on a CUDA machine with
-# PyTorch (its Python and its libtorch):
-#   run(command="bash bench/device/run.sh", timeout_s=540)
+# PyTorch (its Python and its libtorch) and no package registry:
+#   bash bench/device/fetch_deps.sh            # here, once: Debian 12 .debs of dhp's libraries
+#   run(command="bash bench/device/run.sh", carry=[".devdeps", "third_party"], timeout_s=590)
+# Steps, each under a share of one deadline (DHP_DEVICE_BUDGET_S, default 560 s), so that
+# what ran comes back even when a later step runs long:
 # 1. bench/device/reference_layers.py: the reference's TP (DTensor) and plain layers, host
-#    and GPU time per layer (the planner's missing measurement; ~2-4 minutes).
-# 2. Configure and build dhp against that libtorch and run its tests (CPU paths; dhp has no
-#    CUDA device path yet): what breaks on libtorch 2.x.
-# Everything goes to $OUT (or ./runs/device): reference_layers.{json,log}, build.log, ctest.log.
+#    and GPU time per layer (the planner's missing measurement; ~1-2 minutes). First and
+#    alone, so that no compiler competes with the host time it measures.
+# 2. Configure and build dhp against that libtorch (the carried .debs unpacked under a
+#    prefix of their own, never over /), make going on past errors so that every one is seen.
+# 3. The demo (`dhp train`, fewer steps) and the tests (CPU paths: dhp has no CUDA device
+#    path yet): what breaks on libtorch 2.x.
+# Everything goes to $OUT (or ./runs/device): gpu.txt, reference_layers.{json,log},
+# build.log, demo.log, ctest.log.
 set -u
+start=$SECONDS
+budget=${DHP_DEVICE_BUDGET_S:-560}
+left() { echo $((budget - (SECONDS - start))); }
 out="${OUT:-runs/device}"
 mkdir -p "$out"
 cd "$(dirname "$0")/../.."
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$out/gpu.txt"
-PYTHONUNBUFFERED=1 timeout 300 python3 bench/device/reference_layers.py --out "$out/reference_layers.json" \
+root=$PWD
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; 
+  grep -m1 "model name" /proc/cpuinfo; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)';
+  g++ --version | head -1; cmake --version | head -1; cat /etc/os-release | head -2; } 2>&1 | tee "$out/gpu.txt"
+
+PYTHONUNBUFFERED=1 timeout 200 python3 bench/device/reference_layers.py --out "$out/reference_layers.json" \
   2>&1 | tee "$out/reference_layers.log"
+echo "== reference_layers done at $((SECONDS - start)) s"
+
+# dhp's libraries (yaml-cpp, ICU, libjpeg, libpng, GoogleTest) as Debian 12 packages, unpacked
+# under their own prefix.
+deps=/tmp/dhp-deps
+mkdir -p "$deps"
+for f in .devdeps/*.deb; do
+  [ -e "$f" ] || continue
+  if command -v dpkg >/dev/null; then dpkg -x "$f" "$deps"; else
+    (t=$(mktemp -d) && cd "$t" && ar x "$root/$f" && tar xf data.tar.* -C "$deps" && rm -rf "$t"); fi
+done
+export LD_LIBRARY_PATH="$deps/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 prefix=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+export TORCH_CUDA_ARCH_LIST=9.0
+if command -v make >/dev/null; then gen=("Unix Makefiles"); keep=(-k); else gen=(Ninja); keep=(-k 0); fi
 {
-  timeout 60 cmake -S . -B build-device -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" &&
-    timeout 420 cmake --build build-device -j16
+  timeout 90 cmake -S . -B build-device -G "${gen[0]}" -DCMAKE_BUILD_TYPE=Release -DDHP_BUILD_BENCH=OFF \
+    -DCMAKE_PREFIX_PATH="$prefix;$deps/usr" &&
+    timeout $(($(left) - 150)) cmake --build build-device -j"$(nproc)" -- "${keep[@]}"
 } >"$out/build.log" 2>&1
-echo "build rc=$? (last lines of $out/build.log:)"; tail -25 "$out/build.log"
+echo "== build rc=$? at $((SECONDS - start)) s; errors (first 40 of $out/build.log):"
+grep -m40 -E "error|Error|undefined reference" "$out/build.log"
+tail -5 "$out/build.log"
+
 if [ -x build-device/dhp ]; then
-  (cd build-device && timeout 300 ctest -j8 --timeout 120 >"../$out/ctest.log" 2>&1; echo "ctest rc=$?"; tail -15 "../$out/ctest.log")
+  timeout 60 build-device/dhp train --set training.steps=100 --out /tmp/dhp-demo >"$out/demo.log" 2>&1
+  echo "== demo rc=$? at $((SECONDS - start)) s"; tail -12 "$out/demo.log"
 fi
+if [ -d build-device/tests ]; then
+  t=$(($(left) - 15))
+  (cd build-device && timeout "$t" ctest -j"$(nproc)" --timeout 150 >"$root/$out/ctest.log" 2>&1
+   echo "== ctest rc=$? at $((SECONDS - start)) s"; grep -E "tests passed|\*\*\*|Failed|Timeout" "$root/$out/ctest.log" | tail -40)
+fi
+echo "== done at $((SECONDS - start)) s"
