@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <set>
 
+#include <c10/util/Exception.h>  // TORCH_INTERNAL_ASSERT
+
 #include "dhp/core/error.h"
 
 namespace dhp::dist {
