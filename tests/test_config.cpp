@@ -4,19 +4,15 @@
 #include <cstdio>
 #include <fstream>
 
+#include <torch/types.h>
+
 #include "dhp/core/memory.h"
 #include "dhp/train/config.h"
+#include "errors.h"
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const dhp::Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using dhp::testing::error_of;
 
 std::string write_tmp(const std::string& name, const std::string& text) {
   const std::string path = testing::TempDir() + name;
@@ -80,6 +76,21 @@ TEST(Config, ValidationErrorsNameTheNumbers) {
             std::string::npos);
   EXPECT_NE(error_of([] { dhp::load_config("", {"training.memory_limit=3 parsecs"}); }).find("unit"),
             std::string::npos);
+}
+
+TEST(Config, DeviceIsCpuCudaOrCudaIndex) {
+  EXPECT_EQ(dhp::load_config("", {}).training.device, "cpu");
+  for (const char* ok : {"cpu", "cuda", "cuda:0", "cuda:12"}) {
+    EXPECT_EQ(dhp::load_config("", {std::string("training.device=") + ok}).training.device, ok);
+  }
+  for (const char* bad : {"gpu", "CUDA", "cuda:x", "cuda:-1", "cuda:123456", "mps"}) {
+    auto msg = error_of([&] { dhp::load_config("", {std::string("training.device=") + bad}); });
+    EXPECT_NE(msg.find("training.device='" + std::string(bad) + "'"), std::string::npos) << bad << ": " << msg;
+    EXPECT_NE(msg.find("cpu, cuda or cuda:N"), std::string::npos) << msg;
+  }
+  // "cuda:" is YAML for a map: the loader's type error names the key and where it came from.
+  auto msg = error_of([] { dhp::load_config("", {"training.device=cuda:"}); });
+  EXPECT_NE(msg.find("'training.device' (from --set training.device=cuda:)"), std::string::npos) << msg;
 }
 
 TEST(Config, SyntaxErrorsGiveLineAndMissingFilesTheirPath) {

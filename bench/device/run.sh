@@ -10,10 +10,11 @@
 #    alone, so that no compiler competes with the host time it measures.
 # 2. Configure and build dhp against that libtorch (the carried .debs unpacked under a
 #    prefix of their own, never over /), make going on past errors so that every one is seen.
-# 3. The demo (`dhp train`, fewer steps) and the tests (CPU paths: dhp has no CUDA device
-#    path yet): what breaks on libtorch 2.x.
+# 3. The demo on the GPU (training.device=cuda) and 100 steps of it on the CPU, then the tests
+#    (Device.CudaTrainsLikeCpu compares GPU and CPU training; the rest run the CPU paths):
+#    what breaks on libtorch 2.x and on CUDA.
 # Everything goes to $OUT (or ./runs/device): gpu.txt, reference_layers.{json,log},
-# build.log, demo.log, ctest.log.
+# build.log, demo_cuda.log, demo.log, ctest.log.
 set -u
 start=$SECONDS
 budget=${DHP_DEVICE_BUDGET_S:-560}
@@ -53,8 +54,11 @@ grep -m40 -E "error|Error|undefined reference" "$out/build.log"
 tail -5 "$out/build.log"
 
 if [ -x build-device/dhp ]; then
+  # The demo on the GPU (training.device=cuda, one process), then 100 steps of it on the CPU.
+  timeout 120 build-device/dhp train --set training.device=cuda --out /tmp/dhp-demo-cuda >"$out/demo_cuda.log" 2>&1
+  echo "== demo on cuda rc=$? at $((SECONDS - start)) s"; tail -12 "$out/demo_cuda.log"
   timeout 60 build-device/dhp train --set training.steps=100 --out /tmp/dhp-demo >"$out/demo.log" 2>&1
-  echo "== demo rc=$? at $((SECONDS - start)) s"; tail -12 "$out/demo.log"
+  echo "== demo on cpu (100 steps) rc=$? at $((SECONDS - start)) s"; tail -6 "$out/demo.log"
 fi
 if [ -d build-device/tests ]; then
   t=$(($(left) - 15))

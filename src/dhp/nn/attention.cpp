@@ -31,7 +31,8 @@ struct BucketTensors {
   Tensor valid_q;    // (B, Lp, 1) fp32: 1 for real query rows, 0 for padding
 };
 
-BucketTensors make_bucket_tensors(const Bucket& b, bool causal) {
+// Built on the host, then moved to `device` (the index lists come from cu_seqlens).
+BucketTensors make_bucket_tensors(const Bucket& b, bool causal, const torch::Device& device) {
   const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
   std::vector<int64_t> gather(B * Lp, 0), valid_pos, seq_pos;
   std::vector<uint8_t> valid(B * Lp, 0);
@@ -51,6 +52,9 @@ BucketTensors make_bucket_tensors(const Bucket& b, bool causal) {
   bt.allowed = valid_k.expand({B, Lp, Lp});
   bt.valid_q = valid_k.view({B, Lp, 1}).to(torch::kFloat32);
   if (causal) bt.allowed = bt.allowed & torch::ones({Lp, Lp}, torch::kBool).tril();
+  if (!device.is_cpu()) {
+    for (Tensor* t : {&bt.gather, &bt.valid_pos, &bt.seq_pos, &bt.allowed, &bt.valid_q}) *t = t->to(device);
+  }
   return bt;
 }
 
@@ -61,7 +65,7 @@ struct SegmentPlan {
   std::vector<std::pair<int64_t, int64_t>> longs;  // (start, length)
 };
 
-SegmentPlan plan_segments(const std::vector<int64_t>& cu, int64_t block, bool causal) {
+SegmentPlan plan_segments(const std::vector<int64_t>& cu, int64_t block, bool causal, const torch::Device& device) {
   SegmentPlan plan;
   std::map<int64_t, Bucket> by_len;
   for (size_t i = 0; i + 1 < cu.size(); ++i) {
@@ -91,7 +95,7 @@ SegmentPlan plan_segments(const std::vector<int64_t>& cu, int64_t block, bool ca
       const size_t i1 = std::min(all.starts.size(), i0 + static_cast<size_t>(per));
       b.starts.assign(all.starts.begin() + i0, all.starts.begin() + i1);
       b.lens.assign(all.lens.begin() + i0, all.lens.begin() + i1);
-      auto bt = make_bucket_tensors(b, causal);
+      auto bt = make_bucket_tensors(b, causal, device);
       plan.dense.emplace_back(std::move(b), std::move(bt));
     }
   }
@@ -121,8 +125,9 @@ Tensor block_scores(const Tensor& qi, const Tensor& kj, int64_t i0, int64_t j0, 
   auto s = torch::matmul(qi, kj.transpose(-1, -2)).mul_(scale);  // (H, bq, bk)
   const int64_t bq = qi.size(1), bk = kj.size(1);
   if (causal && j0 + bk - 1 > i0) {
-    auto qpos = torch::arange(i0, i0 + bq, torch::kInt64).unsqueeze(1);
-    auto kpos = torch::arange(j0, j0 + bk, torch::kInt64).unsqueeze(0);
+    const auto idx = torch::TensorOptions().dtype(torch::kInt64).device(qi.device());
+    auto qpos = torch::arange(i0, i0 + bq, idx).unsqueeze(1);
+    auto kpos = torch::arange(j0, j0 + bk, idx).unsqueeze(0);
     s.masked_fill_((kpos > qpos).unsqueeze(0), kNegInf);
   }
   return s;
@@ -138,7 +143,7 @@ Forward forward_impl(const Tensor& q, const Tensor& k, const Tensor& v,
   const int64_t H = q.size(0), S = q.size(1), D = q.size(2);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   Forward f{torch::zeros({H, S, D}, q.options()), torch::zeros({H, S}, q.options())};
-  const auto plan = plan_segments(cu, block, causal);
+  const auto plan = plan_segments(cu, block, causal, q.device());
   for (const auto& [b, bt] : plan.dense) {
     const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
     auto s = bucket_scores(gather_bucket(q, bt, B, Lp), gather_bucket(k, bt, B, Lp), bt, scale);
@@ -183,7 +188,7 @@ Grads backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   Grads g{torch::zeros_like(q), torch::zeros_like(k), torch::zeros_like(v)};
   auto delta = (dout * out).sum(-1);  // (H, S)
-  const auto plan = plan_segments(cu, block, causal);
+  const auto plan = plan_segments(cu, block, causal, q.device());
   for (const auto& [b, bt] : plan.dense) {
     const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
     auto qb = gather_bucket(q, bt, B, Lp), kb = gather_bucket(k, bt, B, Lp);
@@ -297,7 +302,7 @@ Tensor varlen_attention_naive(const Tensor& q, const Tensor& k, const Tensor& v,
     auto vs = v.narrow(0, s0, len).transpose(0, 1).to(torch::kFloat32);
     auto s = torch::matmul(qs, ks.transpose(-1, -2)) * scale;
     if (causal) {
-      auto mask = torch::ones({len, len}, torch::kBool).triu(1);
+      auto mask = torch::ones({len, len}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
       s = s.masked_fill(mask, kNegInf);
     }
     outs.push_back(torch::matmul(torch::softmax(s, -1), vs).transpose(0, 1));

@@ -75,6 +75,14 @@ void Config::validate() const {
             "training.beta1 and training.beta2 must be in [0, 1)");
   DHP_CHECK(training.eps > 0, "training.eps must be > 0");
   DHP_CHECK(training.grad_clip >= 0, "training.grad_clip must be >= 0");
+  {
+    const auto& d = training.device;
+    bool ok = d == "cpu" || d == "cuda";
+    if (!ok && d.rfind("cuda:", 0) == 0 && d.size() > 5 && d.size() < 9) {
+      ok = d.find_first_not_of("0123456789", 5) == std::string::npos;
+    }
+    DHP_CHECK(ok, "training.device='", d, "' is not cpu, cuda or cuda:N (N a GPU index)");
+  }
   DHP_CHECK(training.threads >= 0, "training.threads must be >= 0");
   DHP_CHECK(training.attention_block > 0, "training.attention_block must be > 0");
   DHP_CHECK(training.log_every > 0, "training.log_every must be > 0");

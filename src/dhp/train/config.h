@@ -83,6 +83,7 @@ struct TrainingOptions {
   double beta2 = 0.95;
   double eps = 1e-8;
   double grad_clip = 1.0;                 // max global grad norm (0 = off)
+  std::string device = "cpu";             // cpu, cuda or cuda:N (one process; see resolve_device)
   int64_t threads = 0;                    // intra-op threads (0 = all cores)
   int64_t attention_block = 256;          // attention block length
   std::string memory_limit = "0";         // per-process CPU tensor budget, e.g. 8GiB (0 = none)
@@ -102,6 +103,7 @@ struct TrainingOptions {
     v.field("beta2", beta2, "AdamW beta2");
     v.field("eps", eps, "AdamW epsilon");
     v.field("grad_clip", grad_clip, "clip gradients to this global norm (0 = off)");
+    v.field("device", device, "where the model and its tensors live: cpu, cuda (GPU 0) or cuda:N; cuda runs one process only (multi-rank jobs communicate through Gloo on CPU tensors)");
     v.field("threads", threads, "intra-op threads (0 = all cores)");
     v.field("attention_block", attention_block, "attention block length (flash-style tiling)");
     v.field("memory_limit", memory_limit, "CPU tensor memory budget, e.g. 8GiB (0 = unlimited)");

@@ -2,6 +2,7 @@
 
 #include "dhp/train/auto_plan.h"
 
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -77,6 +78,19 @@ std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model) {
     out.push_back({kv.key(), kv.value(), qwen::decays(kv.key(), kv.value())});
   }
   return out;
+}
+
+torch::Device resolve_device(const Config& cfg, const Runtime& rt) {
+  const std::string& d = cfg.training.device;
+  if (d == "cpu") return torch::Device(torch::kCPU);
+  DHP_CHECK(rt.world == 1, "training.device=", d, " in a job of ", rt.world, " ranks: dhp's process groups run on ",
+            "Gloo, which takes CPU tensors, so CUDA training runs as one process; use --nproc 1 or training.device=cpu");
+  const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
+  DHP_CHECK(count > 0, "training.device=", d, " but no CUDA device is usable here (torch::cuda::device_count() = 0: ",
+            "this libtorch is built without CUDA, or no GPU is visible); use training.device=cpu");
+  const int64_t index = d == "cuda" ? 0 : std::stoll(d.substr(5));
+  DHP_CHECK(index < count, "training.device=", d, " but this machine has ", count, " CUDA device(s) (0..", count - 1, ")");
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
@@ -188,7 +202,9 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     : cfg_(cfg), layouts_(layouts), rt_(rt) {
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
   if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", dist::iota_ranks(rt_.world), rt_.rank, rt_.timeout);
+  device_ = resolve_device(cfg_, rt_);
   model_ = build_model(cfg_, /*load_from=*/false);  // model.from: each rank reads its slices below
+  if (!device_.is_cpu()) model_->to(device_);       // before the optimizers take the parameters
   for (auto& kv : model_->named_parameters(true)) full_shapes_[kv.key()] = kv.value().sizes().vec();
   dtype_ = model_->parameters().front().scalar_type();
   auto make = [&](const dist::ModuleLayout& l) {
@@ -305,13 +321,14 @@ torch::Tensor ParallelModel::encode_vision_chunk(std::vector<data::Sample>& mb, 
     }
   }
   const auto& mc = cfg_.model.config;
-  auto batch = data::collate(std::vector<data::Sample>(mb.begin() + vc.first, mb.begin() + vc.second), mc);
+  auto batch = qwen::to_device(
+      data::collate(std::vector<data::Sample>(mb.begin() + vc.first, mb.begin() + vc.second), mc), device_);
   // Packed now: the samples' own copies of the pixels are no longer needed.
   for (int64_t i = vc.first; i < vc.second; ++i) mb[static_cast<size_t>(i)].pixel_values = torch::Tensor();
   auto out = model_->encode_images(batch);
   batch = qwen::Batch();
   if (!out.defined()) {
-    out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(dtype_));
+    out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(dtype_).device(device_));
   }
   return out;
 }
@@ -327,7 +344,7 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
   auto slice = [&](std::pair<int64_t, int64_t> c) {
     return std::vector<data::Sample>(mb.begin() + c.first, mb.begin() + c.second);
   };
-  auto options = torch::TensorOptions().dtype(dtype_);
+  auto options = torch::TensorOptions().dtype(dtype_).device(device_);
   const auto t0 = std::chrono::steady_clock::now();
   switch (a.op) {
     case Op::kVisionForward:
@@ -345,7 +362,7 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
     }
     case Op::kTextForwardBackward: {
       const auto tc = parallel::replica_chunk(n, text_->layout.dp, text_->coord.dp);
-      auto out = model_->forward(data::collate(slice(tc), mc), st.text_in);
+      auto out = model_->forward(qwen::to_device(data::collate(slice(tc), mc), device_), st.text_in);
       (out.loss_sum / global_targets).backward();
       if (text_->coord.tp == 0) result.loss_sum += out.loss_sum.item<double>();
       break;
@@ -431,14 +448,15 @@ double ParallelModel::finish_step(double lr, double max_norm) {
   return norm;
 }
 
-torch::Tensor ParallelModel::forward_logits(const qwen::Batch& b) {
+torch::Tensor ParallelModel::forward_logits(const qwen::Batch& host_batch) {
   torch::NoGradGuard no_grad;
   DHP_CHECK(layouts_.vision.dp == 1 && layouts_.text.dp == 1, "a forward of one sample runs each module as one ",
             "replica, but the layout (", describe(layouts_), ") has data-parallel replicas; set parallel.vision.dp=1 ",
             "and parallel.text.dp=1 (the strategy's own degree takes the ranks)");
   const auto& mc = cfg_.model.config;
   const int64_t hidden = mc.text.hidden_size;
-  const auto options = torch::TensorOptions().dtype(dtype_);
+  const auto options = torch::TensorOptions().dtype(dtype_).device(device_);
+  const auto b = qwen::to_device(host_batch, device_);
   const int64_t rows = b.input_ids.eq(mc.image_token_id).sum().item<int64_t>();
   const auto plan = parallel::plan_redistribute(layouts_.vision, layouts_.text, {rows});
   torch::Tensor vis;
@@ -466,7 +484,7 @@ torch::Tensor ParallelModel::forward_logits(const qwen::Batch& b) {
     job_.send(logits, 0, /*tag=*/1);
   }
   job_.wait_sends();
-  return rt_.rank == 0 ? logits.unsqueeze(0) : torch::Tensor();
+  return rt_.rank == 0 ? logits.unsqueeze(0).cpu() : torch::Tensor();
 }
 
 std::map<std::string, torch::Tensor> ParallelModel::full_parameters() {
@@ -506,7 +524,7 @@ std::map<std::string, torch::Tensor> ParallelModel::full_parameters() {
       for (const auto& [name, t] : full) parts.push_back(t.reshape({-1}));  // map order = name order
       job_.send(torch::cat(parts).to(dtype_), 0, /*tag=*/1 << 20);
     }
-    for (auto& [k, v] : full) out[k] = v;
+    for (auto& [k, v] : full) out[k] = v.device().is_cpu() ? v : v.cpu();
   }
   job_.wait_sends();
   return out;

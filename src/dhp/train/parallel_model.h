@@ -57,6 +57,11 @@ struct Runtime {
   bool optimizer = true;               // false: forward only (no optimizer state is allocated)
 };
 
+// The device of training.device for this process: cpu, or a CUDA device that this libtorch
+// and machine have. Throws dhp::Error naming training.device when the device is missing, or
+// when a multi-rank job asks for CUDA (its groups run on Gloo, which takes CPU tensors).
+torch::Device resolve_device(const Config& cfg, const Runtime& rt);
+
 // Builds the model for a config: presets, init from the seed, model.from's weights (unless
 // `load_from` is false), precision, checkpointing.
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from = true);
@@ -89,7 +94,7 @@ class ParallelModel {
   double finish_step(double lr, double max_norm);
   void zero_grad();
 
-  // Every parameter in full with its single-process name and shape (collective). Complete
+  // Every parameter in full with its single-process name and shape, on the CPU (collective). Complete
   // on rank 0 and on the ranks that host both modules; a rank that hosts one module gets
   // that module's parameters.
   std::map<std::string, torch::Tensor> full_parameters();
@@ -117,6 +122,7 @@ class ParallelModel {
   qwen::Qwen2_5_VLImpl& model() { return *model_; }
   const Layouts& layouts() const { return layouts_; }
   const Runtime& runtime() const { return rt_; }
+  const torch::Device& device() const { return device_; }  // where the model and the batches live
 
  private:
   struct Module;
@@ -138,6 +144,7 @@ class ParallelModel {
   // Name -> shape of every parameter, kept for those released on this rank.
   std::map<std::string, std::vector<int64_t>> full_shapes_;
   torch::Dtype dtype_ = torch::kFloat32;  // the model's parameter (and activation) dtype
+  torch::Device device_{torch::kCPU};     // training.device
 };
 
 }  // namespace dhp::train

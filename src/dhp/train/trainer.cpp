@@ -473,7 +473,9 @@ EvalResult Trainer::evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samp
     auto samples = eval_samples(start, std::min(num_samples, start + chunk) - start);
     if (samples.empty()) break;  // the held-out files had fewer good samples
     auto b = data::collate(samples, cfg_.model.config);
-    auto logits = model.target_logits(b);  // (n, vocab), target positions in order
+    // On the model's device; the counting below stays on the host.
+    const auto device = model.parameters().front().device();
+    auto logits = model.target_logits(qwen::to_device(b, device)).cpu();  // (n, vocab), target positions in order
     auto sel = b.targets.ne(-100).nonzero().squeeze(-1);
     auto tgt = b.targets.index_select(0, sel);
     loss_sum += torch::nn::functional::cross_entropy(
@@ -551,6 +553,10 @@ EvalResult Trainer::run() {
            "; threads " +
            std::to_string(torch::get_num_threads()) + "; run dir " + dir.string());
     log_info("parallel: " + std::to_string(rt_.world) + " rank(s), " + describe(parallel_->layouts()));
+    if (!parallel_->device().is_cpu()) {
+      log_info("device: " + parallel_->device().str() + " (model, activations and optimizer state; the samples are " +
+               "made on the CPU; peak memory figures count CPU tensors only)");
+    }
     log_info("fp32 GEMMs: " + blas_description());
     if (!blas_hint().empty()) log_warn(blas_hint());
   }

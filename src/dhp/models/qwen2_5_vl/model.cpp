@@ -11,6 +11,13 @@ namespace dhp::qwen {
 
 int64_t Batch::num_target_tokens() const { return targets.ne(-100).sum().item<int64_t>(); }
 
+Batch to_device(Batch b, const torch::Device& device) {
+  for (torch::Tensor* t : {&b.pixel_values, &b.input_ids, &b.targets, &b.position_ids}) {
+    if (t->defined() && t->device() != device) *t = t->to(device);
+  }
+  return b;
+}
+
 torch::Tensor rope_index(const std::vector<int64_t>& ids, const std::vector<GridTHW>& grids,
                          const ModelConfig& cfg) {
   const int64_t m = cfg.vision.spatial_merge_size;

@@ -28,6 +28,10 @@ struct Batch {
   int64_t num_target_tokens() const;
 };
 
+// The batch with its tensors on `device` (the host-side lists stay as they are); the batch
+// itself when they are there already.
+Batch to_device(Batch b, const torch::Device& device);
+
 // M-RoPE position ids of one sample, as Hugging Face's get_rope_index does for images:
 // text runs get consecutive positions on all three axes; an image of grid (t, h, w) placed
 // after a text run gets (t_i, h_i, w_i) over the merged grid, offset by the next free
