@@ -188,6 +188,79 @@ TEST(PlanFormulas, CollectiveWaitAfterComputeInterpolates) {
   EXPECT_DOUBLE_EQ(l.sync_seconds(5.5e-2), 7e-3);
 }
 
+// Eager runtimes (the reference's conventions): each module takes at least its layers' host
+// time from the table, DTensor's for TP and the plain one otherwise; dhp's conventions and an
+// empty table leave the estimate as it was.
+TEST(PlanEstimate, EagerHostTimeIsAFloorPerModule) {
+  const auto m = dhp::qwen::preset("qwen2.5-vl-32b");
+  auto c = cluster_preset("h100x8");
+  Workload w;
+  w.vision_tokens = 1024;
+  w.batch_size = 8;
+  auto plan = [](const std::string& name, const std::string& conv) {
+    auto p = named_plan(name, 8);
+    p.conventions = conv;
+    return p;
+  };
+  const auto tp0 = estimate(m, c, w, plan("tp", "reference"));
+  ASSERT_TRUE(tp0.reason.empty() || tp0.fits) << tp0.reason;
+  EXPECT_EQ(tp0.vision.host_s, 0);
+  EXPECT_DOUBLE_EQ(tp0.vision.time_s(), tp0.vision.device_s() + tp0.vision.optimizer_s);
+  // A small host time changes nothing: the devices' work is longer.
+  c.eager_layer_host_s = {{"vision/tp", 1e-6}, {"text/tp", 1e-6}};
+  const auto tp_small = estimate(m, c, w, plan("tp", "reference"));
+  EXPECT_DOUBLE_EQ(tp_small.vision.host_s, 32 * 1e-6);
+  EXPECT_DOUBLE_EQ(tp_small.step_s, tp0.step_s);
+  // A large one decides: 32 vision blocks and 64 text layers at their measured times.
+  c.eager_layer_host_s = {{"vision/tp", 0.1}, {"vision/plain", 0.02}, {"text/tp", 0.05}, {"text/plain", 0.01}};
+  const auto tp = estimate(m, c, w, plan("tp", "reference"));
+  EXPECT_DOUBLE_EQ(tp.vision.host_s, 32 * 0.1);
+  EXPECT_DOUBLE_EQ(tp.vision.time_s(), 32 * 0.1 + tp.vision.optimizer_s);
+  EXPECT_DOUBLE_EQ(tp.text.host_s, 64 * 0.05);
+  EXPECT_GT(tp.step_s, tp0.step_s + 3.0);
+  const auto sp = estimate(m, c, w, plan("dhp", "reference"));  // vision sp: plain modules
+  EXPECT_DOUBLE_EQ(sp.vision.host_s, 32 * 0.02);
+  EXPECT_DOUBLE_EQ(sp.text.host_s, 64 * 0.05);
+  const auto z3 = estimate(m, c, w, plan("zero3", "deepspeed"));  // eager, no DTensor
+  EXPECT_DOUBLE_EQ(z3.vision.host_s, 32 * 0.02);
+  EXPECT_DOUBLE_EQ(z3.text.host_s, 64 * 0.01);
+  const auto own = estimate(m, c, w, plan("tp", "dhp"));  // dhp's runtime: not eager PyTorch
+  EXPECT_EQ(own.vision.host_s, 0);
+  EXPECT_EQ(own.text.host_s, 0);
+  // Micro-batches repeat the layers; without recomputation 3 of the 4 passes remain.
+  w.micro_batches = 2;
+  EXPECT_DOUBLE_EQ(estimate(m, c, w, plan("tp", "reference")).vision.host_s, 2 * 32 * 0.1);
+  w.micro_batches = 1;
+  w.checkpointing = false;
+  EXPECT_DOUBLE_EQ(estimate(m, c, w, plan("tp", "reference")).vision.host_s, 0.75 * 32 * 0.1);
+}
+
+TEST(PlanCalibration, EagerHostTimesFromTheDeviceScriptsJson) {
+  dhp::testing::TempDir dir("eager_host");
+  const auto path = (dir.path() / "reference_layers.json").string();
+  std::ofstream(path) << R"({"torch": "2.11.0", "device": "NVIDIA H200", "tp": 8, "rows": [
+    {"module": "vision", "strategy": "tp", "patches": 0, "tokens": 64, "segment": 64, "impl": "plain", "wall_s": 0.003, "host_s": 0.002, "ops": 90},
+    {"module": "vision", "strategy": "tp", "patches": 0, "tokens": 64, "segment": 64, "impl": "dtensor", "wall_s": 0.009, "host_s": 0.008, "ops": null},
+    {"module": "text", "strategy": "tp", "patches": 0, "tokens": 64, "segment": 64, "impl": "plain", "error": "RuntimeError: x"},
+    {"module": "text", "strategy": "tp", "patches": 0, "tokens": 64, "segment": 64, "impl": "dtensor", "wall_s": 0.007, "host_s": 0.006},
+    {"module": "vision", "strategy": "sp", "patches": 0, "tokens": 64, "segment": 64, "impl": "plain", "wall_s": 0.0025, "host_s": 0.0021},
+    {"module": "vision", "strategy": "tp", "patches": 1024, "tokens": 8192, "segment": 64, "impl": "dtensor", "wall_s": 0.02, "host_s": 0.009}]})";
+  Cluster c = cluster_preset("h100x8");
+  load_eager_host_times(c, path);
+  const std::map<std::string, double> want = {{"vision/tp", 0.008}, {"vision/plain", 0.0021}, {"text/tp", 0.006}};
+  EXPECT_EQ(c.eager_layer_host_s, want);  // the failed text plain row and the sized row left out
+  EXPECT_NE(c.eager_host_source.find("NVIDIA H200, torch 2.11.0"), std::string::npos) << c.eager_host_source;
+  const auto none = (dir.path() / "none.json").string();
+  std::ofstream(none) << R"({"torch": "2.11.0", "device": "x", "rows": [{"module": "vision", "strategy": "tp", "patches": 1024, "impl": "dtensor", "host_s": 0.01}]})";
+  try {
+    load_eager_host_times(c, none);
+    ADD_FAILURE() << "no host-only rows accepted";
+  } catch (const dhp::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(none), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(load_eager_host_times(c, (dir.path() / "missing.json").string()), dhp::Error);
+}
+
 // A calibrated machine's measured terms enter the estimate as documented: the update per
 // parameter each rank updates, the synthetic samples per patch (only for the shapes task),
 // the wait at each collective for its compute interval, and dhp's ZeRO-3 units.

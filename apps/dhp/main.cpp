@@ -373,7 +373,7 @@ int cmd_bench(int argc, char** argv, int first) {
 
 int cmd_plan(int argc, char** argv, int first) {
   dhp::plan::StudyOptions o;
-  std::string model = "qwen2.5-vl-32b", cluster = "h100x8", json, memory, config, against;
+  std::string model = "qwen2.5-vl-32b", cluster = "h100x8", json, memory, config, against, host_times;
   std::vector<std::string> sets;
   bool calibrate = false, text_given = false, precision_given = false, ckpt_given = false;
   dhp::plan::CalibrateOptions co;
@@ -387,6 +387,7 @@ int cmd_plan(int argc, char** argv, int first) {
           "                [--vision-tokens LIST] [--batch-sizes LIST] [--images N] [--text-tokens N]\n"
           "                [--targets N] [--precision bf16|fp32] [--no-checkpointing] [--conventions dhp|reference]\n"
           "                [--strategies LIST] [--memory-per-device SIZE] [--top K] [--json FILE]\n"
+          "                [--host-times FILE]\n"
           "       dhp plan --calibrate [--ranks N] [--threads N] [--out FILE]\n"
           "       dhp plan --config FILE --cluster localxN --against RESULTS.json\n\n"
           "Predicts, from the cost model in docs/cost_model.md (no measurement), each named strategy's\n"
@@ -413,6 +414,10 @@ int cmd_plan(int argc, char** argv, int first) {
           "  --memory-per-device S  usable memory per device instead of the cluster's (e.g. 700MiB)\n"
           "  --top K                best plans kept per length in the JSON (default 3)\n"
           "  --json FILE            also write every figure as JSON\n"
+          "  --host-times FILE      with --conventions reference: eager PyTorch's host time per layer\n"
+          "                         (DTensor TP and plain), the JSON of bench/device/reference_layers.py\n"
+          "                         run on a GPU machine; each module then takes at least its layers'\n"
+          "                         host time (default: not modeled)\n"
           "  --calibrate            measure this machine (Gloo collectives and their wait after compute,\n"
           "                         GEMM, element-wise bandwidth, op overhead, the optimizer update,\n"
           "                         synthetic samples, attention; ~30 s) and save it for --cluster localxN\n"
@@ -479,6 +484,8 @@ int cmd_plan(int argc, char** argv, int first) {
       co.out = next();
     } else if (f == "--against") {
       against = next();
+    } else if (f == "--host-times") {
+      host_times = next();
     } else {
       DHP_FAIL("unknown option '", flags.raw(), "' (see dhp plan --help)");
     }
@@ -509,6 +516,11 @@ int cmd_plan(int argc, char** argv, int first) {
   }
   auto c = dhp::plan::cluster_preset(cluster);
   if (cfg) dhp::train::apply_runtime(*cfg, c, o.workload);
+  if (!host_times.empty()) {
+    DHP_CHECK(o.conventions == "reference", "--host-times ", host_times, " applies to the eager systems' runtimes: ",
+              "add --conventions reference (dhp's own runtime is C++, its dispatch cost is in the calibration)");
+    dhp::plan::load_eager_host_times(c, host_times);
+  }
   if (!memory.empty()) {
     c.memory_bytes = static_cast<double>(dhp::parse_bytes(memory, "--memory-per-device"));
     c.reserved_bytes = 0;

@@ -248,7 +248,7 @@ def main():
                 row["ops"] = count_ops(layers, x, cos, sin, segment)
             except Exception as e:  # the times stand without the count
                 row["ops_error"] = f"{type(e).__name__}: {e}"
-                row["ops"] = float("nan")
+                row["ops"] = None
             del layers, x
             torch.cuda.empty_cache()
         except Exception as e:  # keep going: a partial table is still worth bringing back
@@ -259,7 +259,7 @@ def main():
             print(f"{kind:7} {strategy:8} {patches:7} {tokens:6} {segment:5} {impl:8} error: {row['error'][:80]}")
         else:
             print(f"{kind:7} {strategy:8} {patches:7} {tokens:6} {segment:5} {impl:8} "
-                  f"{1e3 * row['wall_s']:8.2f} {1e3 * row['host_s']:8.2f} {row['ops']:6.0f}")
+                  f"{1e3 * row['wall_s']:8.2f} {1e3 * row['host_s']:8.2f} {row['ops'] if row['ops'] is None else round(row['ops']):>6}")
         sys.stdout.flush()
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

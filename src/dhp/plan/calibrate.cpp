@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -520,6 +521,34 @@ Cluster load_local_cluster(const std::string& path) {
   DHP_CHECK(c.flops_bf16 > 0 && c.flops_fp32 > 0 && c.hbm_bandwidth > 0 && c.devices_per_node >= 1, path,
             ": calibration figures must be positive; run `dhp plan --calibrate` again");
   return c;
+}
+
+void load_eager_host_times(Cluster& c, const std::string& path) {
+  std::ifstream f(path);
+  DHP_CHECK(f.good(), "cannot read the eager host times ", path, " (bench/device/reference_layers.py writes them)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const auto j = io::Json::parse(ss.str(), path);
+  const std::string what = path;
+  const std::map<std::string, std::string> keys = {{"vision tp dtensor", "vision/tp"},
+                                                   {"vision sp plain", "vision/plain"},
+                                                   {"text tp dtensor", "text/tp"},
+                                                   {"text tp plain", "text/plain"}};
+  std::map<std::string, double> found;
+  for (const auto& row : j.at("rows", what).elements(what + " rows")) {
+    if (row.find("error") || row.at("patches", what).integer(what + " patches") != 0) continue;
+    const std::string id = row.at("module", what).str(what + " module") + " " + row.at("strategy", what).str(what + " strategy") +
+                           " " + row.at("impl", what).str(what + " impl");
+    const auto k = keys.find(id);
+    if (k == keys.end()) continue;
+    const double s = row.at("host_s", what).number(what + " host_s");
+    DHP_CHECK(s > 0 && s < 10, path, ": host_s=", s, " of the ", id, " row is not a time per layer in seconds");
+    found[k->second] = s;
+  }
+  DHP_CHECK(!found.empty(), path, " has no host-only rows (patches 0) of vision/text tp dtensor or plain layers");
+  c.eager_layer_host_s = found;
+  c.eager_host_source = j.at("device", what).str(what + " device") + ", torch " + j.at("torch", what).str(what + " torch") +
+                        " (" + path + ")";
 }
 
 }  // namespace dhp::plan

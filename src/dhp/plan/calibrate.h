@@ -29,4 +29,10 @@ Cluster calibrate_local(const CalibrateOptions& o);
 Cluster load_local_cluster(const std::string& path);
 void save_cluster(const Cluster& c, const std::string& path);
 
+// Reads the eager host times per layer into c.eager_layer_host_s from the JSON that
+// bench/device/reference_layers.py writes: its host-only rows (patches 0, tiny inputs) of
+// vision tp dtensor -> vision/tp, vision sp plain -> vision/plain, text tp dtensor -> text/tp,
+// text tp plain -> text/plain. Throws naming the file when it has none of them.
+void load_eager_host_times(Cluster& c, const std::string& path);
+
 }  // namespace dhp::plan

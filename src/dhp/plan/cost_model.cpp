@@ -317,6 +317,8 @@ Conventions conventions(const std::string& name) {
     cv.vision_fused_qkv = false;  // its vision attention has q_proj, k_proj, v_proj (each column-parallel)
     cv.zero3_units = false;
     cv.zero3_copy_passes = 0;
+    cv.eager = true;       // eager PyTorch under Ray
+    cv.dtensor_tp = true;  // its TP: parallelize_module with ColwiseParallel / RowwiseParallel
     return cv;
   }
   if (name == "deepspeed") {
@@ -331,6 +333,7 @@ Conventions conventions(const std::string& name) {
     cv.zero3_bucket_bytes = 5e8 * 2;   // reduce_bucket_size default (elements), bf16
     cv.zero3_units = false;
     cv.zero3_copy_passes = 0;
+    cv.eager = true;  // eager PyTorch under HF Trainer
     return cv;
   }
   DHP_FAIL("unknown conventions '", name, "'; known: dhp, reference, deepspeed");
@@ -463,6 +466,17 @@ double vision_image_flops(const qwen::VisionConfig& v, int64_t gh, int64_t gw) {
   return f;
 }
 
+double eager_host_seconds(const Cluster& c, const Conventions& cv, const std::string& module, const ModuleStrategy& s,
+                          int64_t layers, const Workload& w) {
+  if (!cv.eager || c.eager_layer_host_s.empty()) return 0;
+  const auto it = c.eager_layer_host_s.find(module + (s.kind == "tp" && cv.dtensor_tp ? "/tp" : "/plain"));
+  if (it == c.eager_layer_host_s.end()) return 0;
+  // Measured with recomputation: forward, forward again, backward (about twice the forward's
+  // operators: each linear's input and weight gradients). Without it, 3 of those 4 parts.
+  const double passes = w.checkpointing ? 1.0 : 0.75;
+  return static_cast<double>(layers * w.micro_batches) * it->second * passes;
+}
+
 // ---------------------------------------------------------------------------------------
 // The estimate
 
@@ -558,6 +572,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   step_collectives(tl, c, s, pc, b);
   add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
+  cost.host_s = eager_host_seconds(c, cv, "vision", s, v.depth, w);
   cost.flops = 3 * vision_image_flops(v, gh, gw) * static_cast<double>(images_step);
   // Memory.
   cost.state_bytes = module_state_bytes(cv, s, pc, w.precision);
@@ -647,6 +662,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   step_collectives(tl, c, s, pc, b);
   add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
+  cost.host_s = eager_host_seconds(c, cv, "text", s, tc.num_layers, w);
   const double per_layer_flops = 2 * L * (h * h + 2 * h * kv + h * h + 3 * h * I) + 4 * h * L * (L + 1) / 2;
   cost.flops = 3 * static_cast<double>(w.batch_size) *
                (layers * per_layer_flops + 2 * (cv.logits_all_positions ? L : static_cast<double>(w.target_tokens)) * h * V);

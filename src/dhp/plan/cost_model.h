@@ -13,7 +13,9 @@
 // ZeRO-3 gathered parameters, and a fixed reserve per device.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -65,6 +67,13 @@ struct Cluster {
   // reduce-scatter's copies (local); 0: Conventions::zero3_copy_passes at HBM bandwidth.
   double zero3_unit_s_per_byte = 0;
   bool half_all_reduce_in_fp32 = false;  // bf16 all-reduces carried as fp32 (dhp on Gloo, which cannot sum bf16)
+  // Eager PyTorch's host time per layer (forward + recomputation + backward), measured by
+  // bench/device/reference_layers.py with tiny inputs (the GPU idle, so the time is the
+  // host's dispatch alone): keys vision/tp and text/tp (DTensor tensor parallelism),
+  // vision/plain and text/plain (plain modules). Used under the eager conventions
+  // (reference, deepspeed); empty: not modeled (load_eager_host_times, calibrate.h).
+  std::map<std::string, double> eager_layer_host_s;
+  std::string eager_host_source;    // where they were measured
   Link intra, inter;                // inside a node, across nodes
   std::string source;               // where the numbers come from
   int64_t devices() const { return devices_per_node * nodes; }
@@ -111,6 +120,11 @@ struct Conventions {
   // around them. Otherwise DeepSpeed's: gathered for forward, recomputation and backward.
   bool zero3_units = true;
   double zero3_copy_passes = 10;
+  // An eager PyTorch runtime (one host thread dispatching every operator): a module's step
+  // takes at least its layers' host time (Cluster::eager_layer_host_s); tensor parallelism
+  // through DTensor (its own host cost per layer) when dtensor_tp.
+  bool eager = false;
+  bool dtensor_tp = false;
 };
 Conventions conventions(const std::string& name);  // dhp, reference (SP+TP, TP: the Ray system), deepspeed (ZeRO-3)
 
@@ -141,12 +155,16 @@ struct ModuleCost {
   // Seconds per step on one rank of the module.
   double gemm_s = 0, attention_s = 0, elementwise_s = 0, comm_s = 0, optimizer_s = 0;
   double sync_s = 0;       // waiting at collectives for the other ranks (calibrated links only)
+  double host_s = 0;       // eager runtimes: the host's dispatch of the layers (0: not modeled)
   int64_t comm_calls = 0;
   double comm_bytes = 0;   // bytes this rank sends per step (ring formulas)
   double flops = 0;        // model FLOPs per step of the whole module (fwd + bwd, no recompute)
   // Bytes per device.
   double state_bytes = 0, activation_bytes = 0, working_bytes = 0, logits_bytes = 0, gathered_bytes = 0;
-  double time_s() const { return gemm_s + attention_s + elementwise_s + comm_s + sync_s + optimizer_s; }
+  // The device's work and the host's dispatch overlap (kernels are queued ahead): the longer
+  // of the two, then the update.
+  double device_s() const { return gemm_s + attention_s + elementwise_s + comm_s + sync_s; }
+  double time_s() const { return std::max(device_s(), host_s) + optimizer_s; }
   double memory_bytes() const { return state_bytes + activation_bytes + working_bytes + logits_bytes + gathered_bytes; }
 };
 
@@ -180,6 +198,11 @@ std::vector<Estimate> search(const qwen::ModelConfig& m, const Cluster& c, const
                              const std::string& conventions, std::vector<Estimate>* rejected = nullptr);
 
 // Formulas exposed for tests.
+// Host seconds per step of `layers` layers of `module` (vision, text) under strategy s on
+// an eager runtime: layers x micro-batches x the measured time per layer (x 3/4 without
+// recomputation); 0 when cv is not eager or c has no measurement for it.
+double eager_host_seconds(const Cluster& c, const Conventions& cv, const std::string& module, const ModuleStrategy& s,
+                          int64_t layers, const Workload& w);
 // Parameters of one vision block / text layer.
 int64_t vision_block_params(const qwen::VisionConfig& v);
 int64_t text_layer_params(const qwen::TextConfig& t);

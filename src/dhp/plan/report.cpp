@@ -32,6 +32,7 @@ io::Json module_json(const ModuleCost& m) {
   j.set("comm_calls", io::Json(m.comm_calls));
   j.set("comm_bytes", io::Json(m.comm_bytes));
   j.set("sync_s", io::Json(m.sync_s));
+  j.set("host_s", io::Json(m.host_s));
   j.set("optimizer_s", io::Json(m.optimizer_s));
   j.set("flops", io::Json(m.flops));
   j.set("state_bytes", io::Json(m.state_bytes));
@@ -133,7 +134,15 @@ std::string study_table(const std::string& model, const Cluster& c, const StudyO
      << w.text_tokens << " text tokens per sample, conventions " << o.conventions << "\n";
   os << "predicted throughput = patches per image x batch / step time; (batch) = the largest of the batch sizes that "
         "fits; memory = the fullest device of "
-     << fmt("%.1f", (c.memory_bytes - c.reserved_bytes) / kGiB) << " GiB usable\n\n";
+     << fmt("%.1f", (c.memory_bytes - c.reserved_bytes) / kGiB) << " GiB usable\n";
+  if (!c.eager_layer_host_s.empty()) {
+    os << "eager PyTorch's host time per layer (forward + recomputation + backward; a module takes at least its "
+          "layers' sum), measured on "
+       << c.eager_host_source << ":";
+    for (const auto& [k, v] : c.eager_layer_host_s) os << " " << k << " " << fmt("%.2f", v * 1e3) << " ms;";
+    os << "\n";
+  }
+  os << "\n";
   os << "| patches |";
   for (const auto& s : o.strategies) os << " " << s << " patches/s (batch) | " << s << " step s | " << s << " GiB |";
   const bool ratio = std::find(o.strategies.begin(), o.strategies.end(), "dhp") != o.strategies.end() &&
@@ -188,6 +197,12 @@ std::string study_json(const std::string& model, const Cluster& c, const StudyOp
   cl.set("memory_bytes", io::Json(c.memory_bytes));
   cl.set("reserved_bytes", io::Json(c.reserved_bytes));
   cl.set("source", io::Json(c.source));
+  if (!c.eager_layer_host_s.empty()) {
+    io::Json h = io::Json::object();
+    for (const auto& [k, v] : c.eager_layer_host_s) h.set(k, io::Json(v));
+    cl.set("eager_layer_host_s", h);
+    cl.set("eager_host_source", io::Json(c.eager_host_source));
+  }
   root.set("cluster", cl);
   io::Json wl = io::Json::object();
   wl.set("images_per_sample", io::Json(o.workload.images_per_sample));
