@@ -30,7 +30,7 @@ check() {
   local f=$1 log="$dir/logs/$(echo "$1" | tr / _).log"
   if g++ -std=gnu++17 -fsyntax-only -D_GLIBCXX_USE_CXX11_ABI=1 -DDHP_VERSION='"check"' \
       -DUSE_C10D_GLOO -DUSE_DISTRIBUTED -DUSE_RPC -DUSE_TENSORPIPE \
-      -DDHP_BINARY='"dhp"' -DDHP_TEST_DATA='"data"' -DDHP_QWEN_TOKENIZER='"tokenizer.json"' \
+      -DDHP_BINARY='"dhp"' -DDHP_SOURCE_DIR="\"$root\"" -DDHP_TEST_DATA='"data"' -DDHP_QWEN_TOKENIZER='"tokenizer.json"' \
       -I"$root/src" -I"$root/tests" -isystem "$inc/torch/csrc/api/include" -isystem "$inc" "$f" >"$log" 2>&1; then
     echo "ok   $f"
   else
