@@ -21,10 +21,11 @@ set -u
 start=$SECONDS
 budget=${DHP_DEVICE_BUDGET_S:-560}
 left() { echo $((budget - (SECONDS - start))); }
-out="${OUT:-runs/device}"
-mkdir -p "$out"
 cd "$(dirname "$0")/../.."
 root=$PWD
+out="${OUT:-runs/device}"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the test steps run from build-device/
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; 
   grep -m1 "model name" /proc/cpuinfo; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)';
   g++ --version | head -1; cmake --version | head -1; cat /etc/os-release | head -2; } 2>&1 | tee "$out/gpu.txt"
@@ -57,8 +58,8 @@ tail -5 "$out/build.log"
 
 if [ -d build-device/tests ]; then
   # First the device tests (CUDA against CPU training, the device's resolution), then the demo.
-  (cd build-device && timeout 90 ctest -R 'Device|Config' --timeout 80 >"$root/$out/ctest_device.log" 2>&1
-   echo "== device tests rc=$? at $((SECONDS - start)) s"; grep -E "tests passed|\*\*\*|Failed|Skipped" "$root/$out/ctest_device.log" | tail -12)
+  (cd build-device && timeout 90 ctest -R 'Device|Config' --timeout 80 >"$out/ctest_device.log" 2>&1
+   echo "== device tests rc=$? at $((SECONDS - start)) s"; grep -E "tests passed|\*\*\*|Failed|Skipped" "$out/ctest_device.log" | tail -12)
 fi
 if [ -x build-device/dhp ]; then
   timeout 100 build-device/dhp train --set training.device=cuda --out /tmp/dhp-demo-cuda >"$out/demo_cuda.log" 2>&1
@@ -66,7 +67,8 @@ if [ -x build-device/dhp ]; then
 fi
 t=$(($(left) - 15))
 if [ -d build-device/tests ] && [ "$t" -gt 20 ]; then
-  (cd build-device && timeout "$t" ctest -j"$(nproc)" -E 'Device' --timeout 150 >"$root/$out/ctest.log" 2>&1
-   echo "== ctest rc=$? at $((SECONDS - start)) s"; grep -E "tests passed|\*\*\*|Failed|Timeout" "$root/$out/ctest.log" | tail -40)
+  (cd build-device && timeout "$t" ctest -j"$(nproc)" -E 'Device' --timeout 150 >"$out/ctest.log" 2>&1
+   echo "== ctest rc=$? at $((SECONDS - start)) s: $(grep -c ' Passed ' "$out/ctest.log") passed, $(grep -c '\*\*\*' "$out/ctest.log") not"
+   grep -E "tests passed|\*\*\*|Failed|Timeout" "$out/ctest.log" | tail -40)
 fi
 echo "== done at $((SECONDS - start)) s"
