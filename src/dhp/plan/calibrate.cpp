@@ -21,6 +21,7 @@
 #include "dhp/data/shapes.h"
 #include "dhp/dist/comm.h"
 #include "dhp/io/json.h"
+#include "dhp/io/safetensors.h"
 #include "dhp/nn/attention.h"
 #include "dhp/nn/layers.h"
 #include "dhp/parallel/zero3.h"
@@ -524,12 +525,10 @@ Cluster load_local_cluster(const std::string& path) {
 }
 
 void load_eager_host_times(Cluster& c, const std::string& path) {
-  std::ifstream f(path);
-  DHP_CHECK(f.good(), "cannot read the eager host times ", path, " (bench/device/reference_layers.py writes them)");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  const auto j = io::Json::parse(ss.str(), path);
-  const std::string what = path;
+  DHP_CHECK(std::filesystem::is_regular_file(path), "no eager host times at ", path,
+            " (bench/device/reference_layers.py writes them on a GPU machine)");
+  const auto j = io::Json::parse(io::read_file(path), path);
+  const std::string& what = path;
   const std::map<std::string, std::string> keys = {{"vision tp dtensor", "vision/tp"},
                                                    {"vision sp plain", "vision/plain"},
                                                    {"text tp dtensor", "text/tp"},

@@ -524,7 +524,7 @@ std::map<std::string, torch::Tensor> ParallelModel::full_parameters() {
       for (const auto& [name, t] : full) parts.push_back(t.reshape({-1}));  // map order = name order
       job_.send(torch::cat(parts).to(dtype_), 0, /*tag=*/1 << 20);
     }
-    for (auto& [k, v] : full) out[k] = v.device().is_cpu() ? v : v.cpu();
+    for (auto& [k, v] : full) out[k] = v.cpu();  // the tensor itself when it is there
   }
   job_.wait_sends();
   return out;

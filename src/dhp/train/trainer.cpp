@@ -469,12 +469,11 @@ EvalResult Trainer::evaluate_model(qwen::Qwen2_5_VLImpl& model, int64_t num_samp
   int64_t tokens = 0;
   std::vector<int64_t> slot_hits, slot_total;
   const int64_t chunk = std::max<int64_t>(1, cfg_.data.batch_size);
+  const auto device = model.parameters().front().device();  // batches go there; the counting stays on the host
   for (int64_t start = 0; start < num_samples; start += chunk) {
     auto samples = eval_samples(start, std::min(num_samples, start + chunk) - start);
     if (samples.empty()) break;  // the held-out files had fewer good samples
     auto b = data::collate(samples, cfg_.model.config);
-    // On the model's device; the counting below stays on the host.
-    const auto device = model.parameters().front().device();
     auto logits = model.target_logits(qwen::to_device(b, device)).cpu();  // (n, vocab), target positions in order
     auto sel = b.targets.ne(-100).nonzero().squeeze(-1);
     auto tgt = b.targets.index_select(0, sel);
