@@ -14,6 +14,7 @@
 #include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
 #include "dhp/nn/attention.h"
+#include "support/attention_reference.h"
 #include "dhp/train/trainer.h"
 
 namespace {
@@ -38,7 +39,7 @@ AttnResult time_attention(int64_t S, bool naive, int64_t block, int64_t limit) {
   try {
     dhp::nn::VarlenAttentionOptions o;
     o.block_size = block;
-    auto out = naive ? dhp::nn::varlen_attention_naive(q, k, v, cu, false) : dhp::nn::varlen_attention(q, k, v, cu, o);
+    auto out = naive ? dhp::testing::varlen_attention_naive(q, k, v, cu, false) : dhp::nn::varlen_attention(q, k, v, cu, o);
     auto g = torch::autograd::grad({out}, {q, k, v}, {dout});
     r.seconds = t.seconds();
   } catch (const dhp::OutOfMemory&) {

@@ -38,6 +38,7 @@ constexpr std::chrono::milliseconds kTestTimeout{20000};
 }  // namespace dhp::testing
 
 #include "dhp/data/shapes.h"
+#include "dhp/models/qwen2_5_vl/parallelize.h"
 #include "dhp/dist/layout.h"
 
 namespace dhp::testing {
@@ -54,17 +55,24 @@ inline std::vector<data::Sample> shapes_samples(const qwen::ModelConfig& cfg, in
   return out;
 }
 
-// A module layout from its fields (not validated).
-inline dist::ModuleLayout module_layout(dist::ModuleKind kind, std::string strategy, std::vector<int64_t> ranks,
+// A module layout from its fields (not validated); `strategy` by its config name.
+inline dist::ModuleLayout module_layout(std::string name, const std::string& strategy, std::vector<int64_t> ranks,
                                         int64_t dp, int64_t sp, int64_t tp) {
   dist::ModuleLayout l;
-  l.kind = kind;
-  l.strategy = std::move(strategy);
+  l.name = std::move(name);
+  l.strategy = dist::parse_strategy(strategy, "test layout", dist::all_strategies());
   l.ranks = std::move(ranks);
   l.dp = dp;
   l.sp = sp;
   l.tp = tp;
   return l;
+}
+
+// The numbers module `name` of `model` must divide (qwen::module_dims).
+inline dist::ModuleDims dims_of(const qwen::ModelConfig& model, const std::string& name) {
+  for (const auto& d : qwen::module_dims(model))
+    if (d.name == name) return d;
+  throw std::runtime_error("no module " + name);
 }
 
 // members 0..n-1.

@@ -153,17 +153,17 @@ TEST(ProcessGroups, BuiltFromALayoutOnDisjointRanks) {
   // 6 ranks: vision sp=2 on {0, 1}; text tp=2 x dp=2 on {2, 3, 4, 5}.
   auto model = dhp::qwen::preset("qwen2.5-vl-7b");
   dhp::dist::ModuleLayout vision, text;
-  vision.kind = dhp::dist::ModuleKind::kVision;
-  vision.strategy = "sp";
+  vision.name = "vision";
+  vision.strategy = dhp::dist::Strategy::kSequenceParallel;
   vision.ranks = {0, 1};
   vision.sp = 2;
-  text.kind = dhp::dist::ModuleKind::kText;
-  text.strategy = "tp";
+  text.name = "text";
+  text.strategy = dhp::dist::Strategy::kTensorParallel;
   text.ranks = {2, 3, 4, 5};
   text.tp = 2;
   text.dp = 2;
-  vision.validate(model, 6);
-  text.validate(model, 6);
+  vision.validate(dhp::testing::dims_of(model, "vision"), 6);
+  text.validate(dhp::testing::dims_of(model, "text"), 6);
   run_ranks(6, [&](int64_t r, const dhp::dist::Store& store) {
     auto v = dhp::dist::make_process_groups(store, vision, r, kTestTimeout);
     auto t = dhp::dist::make_process_groups(store, text, r, kTestTimeout);

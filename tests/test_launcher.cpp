@@ -119,7 +119,7 @@ TEST(Launcher, PrintScheduleShowsEachRanksActions) {
 
 TEST(Launcher, AFailingRankStopsTheJobAndIsNamed) {
   const auto dir = tmpdir("fail");
-  auto r = sh("DHP_TEST_FAIL_AT=1:2 " + std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dhp" +
+  auto r = sh(std::string(DHP_BINARY) + " train --inject-fault fail:1:2 --nproc 2 --set parallel.strategy=dhp" +
               kTiny + " --out " + dir.string());
   EXPECT_NE(r.rc, 0) << r.output;
   EXPECT_NE(r.rc, 124) << "the job hung until the test's timeout:\n" << r.output;
@@ -137,7 +137,7 @@ TEST(Launcher, AKilledWorkerIsRestartedFromTheNewestCheckpoint) {
                           " --set training.steps=6 --set checkpoint.every=2";
   auto a = sh(run + " --out " + whole.string());
   ASSERT_EQ(a.rc, 0) << a.output;
-  auto b = sh("DHP_TEST_KILL_AT=1:4 " + run + " --max-restarts 1 --out " + killed.string());
+  auto b = sh(run + " --inject-fault kill:1:4 --max-restarts 1 --out " + killed.string());
   ASSERT_EQ(b.rc, 0) << b.output;
   EXPECT_NE(b.output.find("rank 1 failed (killed by signal"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
@@ -147,7 +147,7 @@ TEST(Launcher, AKilledWorkerIsRestartedFromTheNewestCheckpoint) {
   ASSERT_EQ(la.size(), 6u);
   ASSERT_EQ(lb.size(), 6u) << b.output;
   for (size_t i = 0; i < la.size(); ++i) EXPECT_EQ(lb[i], la[i]) << "step " << i + 1;
-  auto c = sh("DHP_TEST_FAIL_AT=1:4 " + run + " --max-restarts 1 --out " + failing.string());
+  auto c = sh(run + " --inject-fault fail:1:4 --max-restarts 1 --out " + failing.string());
   EXPECT_NE(c.rc, 0) << c.output;
   EXPECT_NE(c.output.find("giving up after 1 restart(s)"), std::string::npos) << c.output;
   for (const auto& d : {whole, killed, failing}) fs::remove_all(d);
@@ -163,7 +163,7 @@ TEST(Launcher, ASaveKilledMidwayLeavesThePreviousCheckpoint) {
                           " --set training.steps=6 --set checkpoint.every=2";
   auto a = sh(run + " --out " + whole.string());
   ASSERT_EQ(a.rc, 0) << a.output;
-  auto b = sh("DHP_TEST_KILL_IN_SAVE=4 " + run + " --out " + cut.string());
+  auto b = sh(run + " --inject-fault kill-in-save:4 --out " + cut.string());
   ASSERT_NE(b.rc, 0) << b.output;
   EXPECT_TRUE(fs::exists(cut / "checkpoints" / "step-2" / "manifest.json"));
   EXPECT_FALSE(fs::exists(cut / "checkpoints" / "step-4"));
@@ -193,7 +193,7 @@ TEST(Launcher, ResumeContinuesAnInterruptedRun) {
   const std::string run = std::string(DHP_BINARY) + " train" + kTiny + " --set training.steps=6 --set checkpoint.every=2";
   auto a = sh(run + " --out " + whole.string());
   ASSERT_EQ(a.rc, 0) << a.output;
-  auto b = sh("DHP_TEST_FAIL_AT=0:6 " + run + " --out " + cut.string());
+  auto b = sh(run + " --inject-fault fail:0:6 --out " + cut.string());
   ASSERT_NE(b.rc, 0) << b.output;
   EXPECT_EQ(losses(cut).size(), 5u);
   // Damage step-4: the resume falls back to step-2.

@@ -17,7 +17,7 @@
 
 #include "dhp/core/error.h"
 #include "dhp/models/qwen2_5_vl/vision.h"
-#include "dhp/plan/calibrate.h"
+#include "dhp/bench/calibrate.h"
 #include "dhp/plan/cost_model.h"
 #include "dhp/plan/report.h"
 #include "dhp/train/auto_plan.h"
@@ -398,11 +398,11 @@ TEST(PlanClusters, SpecsAndErrors) {
 
 TEST(PlanCalibration, MeasuresThisMachineAndReadsBack) {
   dhp::testing::TempDir dir("plan_calibrate");
-  CalibrateOptions o;
+  dhp::bench::CalibrateOptions o;
   o.ranks = 2;
   o.quiet = true;
   o.out = (dir.path() / "local-x2.json").string();
-  const auto c = calibrate_local(o);
+  const auto c = dhp::bench::calibrate_local(o);
   EXPECT_GT(c.flops_fp32, 1e8);
   EXPECT_GT(c.flops_bf16, 1e8);
   EXPECT_GT(c.hbm_bandwidth, 1e8);

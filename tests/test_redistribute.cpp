@@ -15,12 +15,11 @@
 
 namespace {
 
-using dhp::dist::ModuleKind;
 using dhp::dist::ModuleLayout;
 using dhp::parallel::plan_redistribute;
 using dhp::parallel::replica_chunk;
 
-ModuleLayout layout(ModuleKind k, std::string strategy, std::vector<int64_t> ranks, int64_t dp, int64_t sp,
+ModuleLayout layout(std::string k, std::string strategy, std::vector<int64_t> ranks, int64_t dp, int64_t sp,
                     int64_t tp) {
   return dhp::testing::module_layout(k, std::move(strategy), std::move(ranks), dp, sp, tp);
 }
@@ -50,17 +49,17 @@ void PrintTo(const Placement& p, std::ostream* os) { *os << p.name; }
 
 const std::vector<Placement> kPlacements = {
     // vision dp=2 on ranks 0,1 -> text tp=2 on ranks 2,3 (disjoint)
-    {"dp2_to_tp2_disjoint", 4, layout(ModuleKind::kVision, "dp", {0, 1}, 2, 1, 1),
-     layout(ModuleKind::kText, "tp", {2, 3}, 1, 1, 2)},
+    {"dp2_to_tp2_disjoint", 4, layout("vision", "dp", {0, 1}, 2, 1, 1),
+     layout("text", "tp", {2, 3}, 1, 1, 2)},
     // vision on one rank -> text dp=3 on three others
-    {"one_to_dp3", 4, layout(ModuleKind::kVision, "none", {0}, 1, 1, 1),
-     layout(ModuleKind::kText, "dp", {1, 2, 3}, 3, 1, 1)},
+    {"one_to_dp3", 4, layout("vision", "none", {0}, 1, 1, 1),
+     layout("text", "dp", {1, 2, 3}, 3, 1, 1)},
     // vision sp=4 (one replica) -> text tp=2 x dp=2, colocated
-    {"sp4_to_tp2dp2", 4, layout(ModuleKind::kVision, "sp", {0, 1, 2, 3}, 1, 4, 1),
-     layout(ModuleKind::kText, "tp", {0, 1, 2, 3}, 2, 1, 2)},
+    {"sp4_to_tp2dp2", 4, layout("vision", "sp", {0, 1, 2, 3}, 1, 4, 1),
+     layout("text", "tp", {0, 1, 2, 3}, 2, 1, 2)},
     // vision dp=3 -> text dp=2, overlapping ranks
-    {"dp3_to_dp2_overlap", 4, layout(ModuleKind::kVision, "dp", {0, 1, 2}, 3, 1, 1),
-     layout(ModuleKind::kText, "dp", {2, 3}, 2, 1, 1)},
+    {"dp3_to_dp2_overlap", 4, layout("vision", "dp", {0, 1, 2}, 3, 1, 1),
+     layout("text", "dp", {2, 3}, 2, 1, 1)},
 };
 
 // Runs a piece list on plain tensors: `held` maps each source rank to its tensor.
@@ -108,8 +107,8 @@ INSTANTIATE_TEST_SUITE_P(Placements, Redistribute, ::testing::ValuesIn(kPlacemen
 TEST(Redistribute, TextOnlySampleAndEmptyReplicaGetNoRows) {
   // Two text replicas; the second holds only the text-only sample.
   const std::vector<int64_t> rows = {5, 0};
-  const auto v = layout(ModuleKind::kVision, "none", {0}, 1, 1, 1);
-  const auto t = layout(ModuleKind::kText, "dp", {1, 2}, 2, 1, 1);
+  const auto v = layout("vision", "none", {0}, 1, 1, 1);
+  const auto t = layout("text", "dp", {1, 2}, 2, 1, 1);
   const auto plan = plan_redistribute(v, t, rows);
   EXPECT_EQ(plan.text_rows.at(1), 5);
   EXPECT_EQ(plan.text_rows.at(2), 0);
@@ -166,8 +165,8 @@ TEST(Redistribute, PointToPointMovesRowsAndGradients) {
 
 TEST(Redistribute, RowsAlreadyInPlaceAreNotCopied) {
   const std::vector<int64_t> rows = {4, 6};
-  const auto l = layout(ModuleKind::kVision, "sp", {0, 1}, 1, 2, 1);
-  const auto t = layout(ModuleKind::kText, "tp", {0, 1}, 1, 1, 2);
+  const auto l = layout("vision", "sp", {0, 1}, 1, 2, 1);
+  const auto t = layout("text", "tp", {0, 1}, 1, 1, 2);
   const auto plan = plan_redistribute(l, t, rows);
   auto held = torch::randn({10, kCols});
   dhp::dist::Group self;
@@ -177,8 +176,8 @@ TEST(Redistribute, RowsAlreadyInPlaceAreNotCopied) {
 
 // The schedule as data.
 TEST(Schedule, DisjointPipelinedRunsVisionOneMicroBatchAhead) {
-  const auto v = layout(ModuleKind::kVision, "sp", {0, 1}, 1, 2, 1);
-  const auto t = layout(ModuleKind::kText, "tp", {2, 3}, 1, 1, 2);
+  const auto v = layout("vision", "sp", {0, 1}, 1, 2, 1);
+  const auto t = layout("text", "tp", {2, 3}, 1, 1, 2);
   EXPECT_TRUE(dhp::train::disjoint(v, t));
   using dhp::train::make_schedule;
   using dhp::train::to_string;
@@ -202,8 +201,8 @@ TEST(Schedule, DisjointPipelinedRunsVisionOneMicroBatchAhead) {
 }
 
 TEST(Schedule, ARankHostingBothModulesRunsSequentially) {
-  const auto v = layout(ModuleKind::kVision, "sp", {0, 1, 2, 3}, 1, 4, 1);
-  const auto t = layout(ModuleKind::kText, "tp", {2, 3}, 1, 1, 2);
+  const auto v = layout("vision", "sp", {0, 1, 2, 3}, 1, 4, 1);
+  const auto t = layout("text", "tp", {2, 3}, 1, 1, 2);
   EXPECT_FALSE(dhp::train::disjoint(v, t));
   EXPECT_EQ(dhp::train::to_string(dhp::train::make_schedule(v, t, 2, 2, true)),
             "VF0 SA0 RA0 TFB0 SG0 RG0 VB0 VF1 SA1 RA1 TFB1 SG1 RG1 VB1");

@@ -219,6 +219,52 @@ TEST(StrategyPrecision, Bf16StrategiesTrackTheSingleProcessBf16Run) {
   }
 }
 
+// What each strategy holds per rank (ModuleStrategy::held), against one process's whole
+// model: replicated modules hold everything on every rank, ZeRO-1 splits the optimizer
+// state, TP splits the sharded matrices, ZeRO-3 splits everything (padding aside).
+TEST(StrategyAccounting, HeldElementsFollowTheStrategy) {
+  using dhp::parallel::HeldElements;
+  const auto whole = [](const std::string& module) {
+    dhp::train::ParallelModel pm(config({}), dhp::train::resolve_layouts(config({}), 1), dhp::train::Runtime{});
+    return pm.held(module);
+  };
+  const HeldElements v = whole("vision"), t = whole("text");
+  EXPECT_GT(v.parameters, 0);
+  EXPECT_EQ(v.optimizer_state, 2 * v.parameters);  // fp32: the two moments, no masters
+  EXPECT_EQ(t.optimizer_state, 2 * t.parameters);
+  auto per_rank = [](const std::vector<std::string>& sets) {
+    const auto cfg = config(sets);
+    std::vector<std::pair<HeldElements, HeldElements>> out(2);
+    run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {
+      dhp::train::Runtime rt;
+      rt.rank = rank;
+      rt.world = 2;
+      rt.store = std::make_shared<dhp::dist::Store>(store);
+      rt.timeout = dhp::testing::kTestTimeout;
+      dhp::train::ParallelModel pm(cfg, dhp::train::resolve_layouts(cfg, 2), rt);
+      out[static_cast<size_t>(rank)] = {pm.held("vision"), pm.held("text")};
+    });
+    return out;
+  };
+  const auto dhp_layout = per_rank({"parallel.strategy=dhp"});  // vision sp + ZeRO-1, text tp
+  for (const auto& [vision, text] : dhp_layout) {
+    EXPECT_EQ(vision.parameters, v.parameters);
+    EXPECT_GE(vision.optimizer_state, v.optimizer_state / 2);          // a half of the flat vector,
+    EXPECT_LE(vision.optimizer_state, v.optimizer_state / 2 + 2 * 2);  // padded to the group
+    EXPECT_LT(text.parameters, t.parameters * 3 / 4);  // matrices and vocabulary halved, norms whole
+    EXPECT_EQ(text.optimizer_state, 2 * text.parameters);
+  }
+  EXPECT_GT(dhp_layout[0].second.parameters + dhp_layout[1].second.parameters, t.parameters);
+  const auto zero3 = per_rank({"parallel.strategy=zero3"});
+  int64_t vision_sum = 0;
+  for (const auto& [vision, text] : zero3) {
+    vision_sum += vision.parameters;
+    EXPECT_LE(vision.parameters, v.parameters / 2 + 200);  // one padded slice of every parameter
+    EXPECT_LE(text.parameters, t.parameters / 2 + 200);
+  }
+  EXPECT_GE(vision_sum, v.parameters);
+}
+
 TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {
   auto expect_error = [](const std::vector<std::string>& sets, int64_t world, const std::string& part) {
     try {

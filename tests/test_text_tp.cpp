@@ -8,7 +8,7 @@
 #include "dhp/core/error.h"
 #include "dhp/data/shapes.h"
 #include "dhp/parallel/data_parallel.h"
-#include "dhp/parallel/parallelize.h"
+#include "dhp/models/qwen2_5_vl/parallelize.h"
 #include "dhp/parallel/vocab_parallel.h"
 #include "ranks.h"
 
@@ -43,7 +43,7 @@ TEST_P(TextTensorParallel, DemoModelLossAndGradsEqualSingleProcess) {
     dhp::dist::Group tp(store, "tp", {0, 1}, r, kTestTimeout);
     dhp::qwen::Qwen2_5_VL m(cfg);
     dhp::qwen::init_parameters(*m, 7, 0.05);
-    dhp::parallel::parallelize_text_tp(*m, tp);
+    dhp::qwen::parallelize_text_tp(*m, tp);
     auto params = m->named_parameters();
     EXPECT_EQ(params.size(), ref_params.size());  // same names
     EXPECT_EQ(params["model.layers.0.self_attn.k_proj.weight"].size(0), cfg.text.num_kv_heads * cfg.text.head_dim() / 2);
@@ -89,7 +89,7 @@ TEST(TextTensorParallel, RefusesTpNotDividingKvHeads) {
   run_ranks(4, [&](int64_t r, const dhp::dist::Store& store) {
     dhp::dist::Group tp(store, "tp4", {0, 1, 2, 3}, r, kTestTimeout);
     dhp::qwen::Qwen2_5_VL m(cfg);
-    EXPECT_THROW(dhp::parallel::parallelize_text_tp(*m, tp), dhp::Error);
+    EXPECT_THROW(dhp::qwen::parallelize_text_tp(*m, tp), dhp::Error);
   });
 }
 
@@ -115,7 +115,7 @@ TEST(DataParallel, TpTimesDpGradsEqualTheWholeBatch) {
     dhp::dist::Group dp(store, "dp" + std::to_string(tp_rank), {tp_rank, tp_rank + 2}, r, kTestTimeout);
     dhp::qwen::Qwen2_5_VL m(cfg);
     dhp::qwen::init_parameters(*m, 3, 0.05);
-    dhp::parallel::parallelize_text_tp(*m, tp);
+    dhp::qwen::parallelize_text_tp(*m, tp);
     auto mine = dhp::data::collate({all[2 * dp_rank], all[2 * dp_rank + 1]}, cfg);
     (m->forward(mine).loss_sum / n_tgt).backward();
     std::vector<torch::Tensor> ps;

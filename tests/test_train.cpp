@@ -8,7 +8,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "dhp/train/optim.h"
+#include "dhp/optim/adamw.h"
+#include "support/grad_norm.h"
 #include "dhp/train/trainer.h"
 #include "files.h"
 
@@ -110,22 +111,22 @@ TEST(Train, PhaseTimesAndOneStepProfile) {
 }
 
 TEST(Optim, LrScheduleWarmupThenCosine) {
-  EXPECT_DOUBLE_EQ(dhp::train::lr_at(0, 100, 10, 1.0, 0.1), 0.1);
-  EXPECT_DOUBLE_EQ(dhp::train::lr_at(9, 100, 10, 1.0, 0.1), 1.0);
-  EXPECT_NEAR(dhp::train::lr_at(10, 100, 10, 1.0, 0.1), 1.0, 1e-12);
-  EXPECT_NEAR(dhp::train::lr_at(55, 100, 10, 1.0, 0.1), 0.55, 1e-12);  // half-way: mean of lr and min
-  EXPECT_NEAR(dhp::train::lr_at(100, 100, 10, 1.0, 0.1), 0.1, 1e-12);
+  EXPECT_DOUBLE_EQ(dhp::optim::lr_at(0, 100, 10, 1.0, 0.1), 0.1);
+  EXPECT_DOUBLE_EQ(dhp::optim::lr_at(9, 100, 10, 1.0, 0.1), 1.0);
+  EXPECT_NEAR(dhp::optim::lr_at(10, 100, 10, 1.0, 0.1), 1.0, 1e-12);
+  EXPECT_NEAR(dhp::optim::lr_at(55, 100, 10, 1.0, 0.1), 0.55, 1e-12);  // half-way: mean of lr and min
+  EXPECT_NEAR(dhp::optim::lr_at(100, 100, 10, 1.0, 0.1), 0.1, 1e-12);
 }
 
 TEST(Optim, AdamWStepByHandWithDecayOnlyOnMatrices) {
   auto w = torch::ones({1, 2}).requires_grad_(true);
   auto b = torch::ones({2}).requires_grad_(true);
-  dhp::train::AdamWOptions o;
+  dhp::optim::AdamWOptions o;
   o.weight_decay = 0.5;
   o.beta1 = 0.9;
   o.beta2 = 0.99;
   o.eps = 0;
-  dhp::train::AdamW opt({{"w", w, true}, {"b", b, false}}, o);
+  dhp::optim::AdamW opt({{"w", w, true}, {"b", b, false}}, o);
   w.mutable_grad() = torch::tensor({{2.f, -4.f}});
   b.mutable_grad() = torch::tensor({3.f, 0.5f});
   opt.step(0.1);
@@ -140,11 +141,11 @@ TEST(Optim, ClipByGlobalNorm) {
   auto a = torch::zeros({2}).requires_grad_(true), b = torch::zeros({1}).requires_grad_(true);
   a.mutable_grad() = torch::tensor({3.f, 0.f});
   b.mutable_grad() = torch::tensor({4.f});
-  std::vector<dhp::train::NamedParam> ps = {{"a", a, true}, {"b", b, true}};
-  EXPECT_NEAR(dhp::train::clip_grad_norm(ps, 1.0), 5.0, 1e-6);
-  EXPECT_NEAR(dhp::train::grad_norm(ps), 1.0, 1e-5);
-  EXPECT_NEAR(dhp::train::clip_grad_norm(ps, 10.0), 1.0, 1e-5);  // under the limit: unchanged
-  EXPECT_NEAR(dhp::train::grad_norm(ps), 1.0, 1e-5);
+  std::vector<dhp::optim::NamedParam> ps = {{"a", a, true}, {"b", b, true}};
+  EXPECT_NEAR(dhp::testing::clip_grad_norm(ps, 1.0), 5.0, 1e-6);
+  EXPECT_NEAR(dhp::testing::grad_norm(ps), 1.0, 1e-5);
+  EXPECT_NEAR(dhp::testing::clip_grad_norm(ps, 10.0), 1.0, 1e-5);  // under the limit: unchanged
+  EXPECT_NEAR(dhp::testing::grad_norm(ps), 1.0, 1e-5);
 }
 
 }  // namespace

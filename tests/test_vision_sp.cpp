@@ -7,7 +7,8 @@
 #include "dhp/core/error.h"
 #include "dhp/data/shapes.h"
 #include "dhp/parallel/data_parallel.h"
-#include "dhp/parallel/vision_sp.h"
+#include "dhp/models/qwen2_5_vl/parallelize.h"
+#include "dhp/parallel/sequence_parallel.h"
 #include "ranks.h"
 
 namespace {
@@ -45,7 +46,7 @@ void check_sp(int64_t sp, int images = 3, int64_t min_side = 112, int64_t max_si
     dhp::qwen::Qwen2_5_VL m(cfg);
     dhp::qwen::init_parameters(*m, 5, 0.05);
     m->set_activation_checkpointing(checkpoint);
-    dhp::parallel::parallelize_vision_sp(*m, g);
+    dhp::qwen::parallelize_vision_sp(*m, g);
     auto o = m->forward(batch);
     EXPECT_NEAR(o.loss_sum.item<double>(), loss, 1e-5 * loss);
     o.loss_sum.backward();

@@ -16,7 +16,7 @@ using dhp::testing::kTestTimeout;
 using dhp::testing::run_ranks;
 
 // Own generator: ranks are threads, and the global RNG would be shared between them.
-std::vector<dhp::train::NamedParam> make_params() {
+std::vector<dhp::optim::NamedParam> make_params() {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
   auto randn = [&](std::vector<int64_t> shape) { return torch::empty(shape).normal_(0, 1, gen).requires_grad_(true); };
   return {{"w", randn({5, 7}), true}, {"b", randn({7}), false}, {"e", randn({3, 5}), true}};
@@ -29,7 +29,7 @@ torch::Tensor local_grad(const std::vector<int64_t>& shape, int step, size_t i, 
   return torch::empty(shape).normal_(0, 1, gen);
 }
 
-void set_grads(std::vector<dhp::train::NamedParam>& ps, int step, int64_t rank, int64_t ranks) {
+void set_grads(std::vector<dhp::optim::NamedParam>& ps, int step, int64_t rank, int64_t ranks) {
   for (size_t i = 0; i < ps.size(); ++i) {
     const auto shape = ps[i].param.sizes().vec();
     if (rank >= 0) {
@@ -45,10 +45,10 @@ void set_grads(std::vector<dhp::train::NamedParam>& ps, int step, int64_t rank, 
 // Each rank holds its own gradients; the sharded optimizer must step like AdamW on their
 // sum, with the clipping-norm pieces adding up to the norm of the sum.
 void check(int64_t ws) {
-  dhp::train::AdamWOptions o;
+  dhp::optim::AdamWOptions o;
   o.weight_decay = 0.1;
   auto ref = make_params();
-  dhp::train::AdamW adam(ref, o);
+  dhp::optim::AdamW adam(ref, o);
   std::vector<double> ref_sq;
   for (int s = 0; s < 3; ++s) {
     set_grads(ref, s, -1, ws);

@@ -283,8 +283,8 @@ Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::st
   try {
     const auto layouts = train::resolve_layouts(load_config(o.config, sets), o.nproc);
     r.layout = train::describe(layouts);
-    r.vision_ranks = layouts.vision.ranks;
-    r.text_ranks = layouts.text.ranks;
+    r.vision_ranks = layouts.at("vision").ranks;
+    r.text_ranks = layouts.at("text").ranks;
   } catch (const Error& e) {
     a.outcome = Outcome::kInvalid;
     a.message = e.what();

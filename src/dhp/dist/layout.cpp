@@ -10,11 +10,41 @@
 namespace dhp::dist {
 namespace {
 
-void check_divides(const ModuleLayout& l, const char* degree, int64_t d, const char* what, int64_t n) {
-  DHP_CHECK(n % d == 0, l.name(), " ", degree, "=", d, " does not divide ", what, "=", n);
+void check_divides(const ModuleLayout& l, const char* degree, int64_t d, const std::string& what, int64_t n) {
+  DHP_CHECK(n % d == 0, l.name, " ", degree, "=", d, " does not divide ", what, "=", n);
+}
+
+std::string names_of(const std::vector<Strategy>& list) {
+  std::string s;
+  for (auto k : list) s += (s.empty() ? "" : ", ") + std::string(strategy_name(k));
+  return s;
 }
 
 }  // namespace
+
+const char* strategy_name(Strategy s) {
+  switch (s) {
+    case Strategy::kNone: return "none";
+    case Strategy::kDataParallel: return "dp";
+    case Strategy::kSequenceParallel: return "sp";
+    case Strategy::kTensorParallel: return "tp";
+    case Strategy::kZero3: return "zero3";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown strategy ", static_cast<int>(s));
+}
+
+const std::vector<Strategy>& all_strategies() {
+  static const std::vector<Strategy> all = {Strategy::kNone, Strategy::kSequenceParallel, Strategy::kTensorParallel,
+                                            Strategy::kZero3, Strategy::kDataParallel};
+  return all;
+}
+
+Strategy parse_strategy(const std::string& value, const std::string& key, const std::vector<Strategy>& allowed) {
+  for (auto k : allowed) {
+    if (value == strategy_name(k)) return k;
+  }
+  DHP_FAIL(key, "='", value, "' is not one of ", names_of(allowed));
+}
 
 std::vector<int64_t> iota_ranks(int64_t n) {
   std::vector<int64_t> r(static_cast<size_t>(n));
@@ -22,40 +52,28 @@ std::vector<int64_t> iota_ranks(int64_t n) {
   return r;
 }
 
-void ModuleLayout::validate(const qwen::ModelConfig& model, int64_t world_size) const {
-  const bool vision = kind == ModuleKind::kVision;
-  const std::set<std::string> ok = vision ? std::set<std::string>{"none", "sp", "tp", "zero3", "dp"}
-                                          : std::set<std::string>{"none", "tp", "zero3", "dp"};
-  DHP_CHECK(ok.count(strategy), name(), " strategy '", strategy, "' is not one of ",
-            vision ? "none, sp, tp, zero3, dp" : "none, tp, zero3, dp");
-  DHP_CHECK(!ranks.empty(), name(), " runs on no ranks");
-  DHP_CHECK(dp >= 1 && sp >= 1 && tp >= 1, name(), " degrees must be >= 1, got dp=", dp, " sp=", sp, " tp=", tp);
+void ModuleLayout::validate(const ModuleDims& dims, int64_t world_size) const {
+  const auto& ok = dims.strategies;
+  DHP_CHECK(std::find(ok.begin(), ok.end(), strategy) != ok.end(), name, " strategy '", strategy_name(strategy),
+            "' is not one of ", names_of(ok));
+  DHP_CHECK(!ranks.empty(), name, " runs on no ranks");
+  DHP_CHECK(dp >= 1 && sp >= 1 && tp >= 1, name, " degrees must be >= 1, got dp=", dp, " sp=", sp, " tp=", tp);
   std::set<int64_t> seen;
   for (auto r : ranks) {
-    DHP_CHECK(r >= 0 && r < world_size, name(), " rank ", r, " is outside the world of ", world_size, " ranks");
-    DHP_CHECK(seen.insert(r).second, name(), " lists rank ", r, " twice");
+    DHP_CHECK(r >= 0 && r < world_size, name, " rank ", r, " is outside the world of ", world_size, " ranks");
+    DHP_CHECK(seen.insert(r).second, name, " lists rank ", r, " twice");
   }
-  DHP_CHECK(dp * sp * tp == size(), name(), " degrees dp=", dp, " x sp=", sp, " x tp=", tp, " = ", dp * sp * tp,
+  DHP_CHECK(dp * sp * tp == size(), name, " degrees dp=", dp, " x sp=", sp, " x tp=", tp, " = ", dp * sp * tp,
             " but the module has ", size(), " ranks");
-  DHP_CHECK(zero == 0 || zero == 1 || zero == 3, name(), " zero=", zero, " must be 0, 1 or 3");
-  DHP_CHECK(sp == 1 || (vision && strategy == "sp"), name(), " sp=", sp, " needs the vision strategy sp");
-  DHP_CHECK(tp == 1 || strategy == "tp", name(), " tp=", tp, " needs the strategy tp (got '", strategy, "')");
-  DHP_CHECK(strategy != "none" || size() == 1, name(), " strategy none runs on one rank, got ", size());
-  DHP_CHECK(strategy != "zero3" || zero == 3 || zero == 0, name(), " strategy zero3 cannot use zero=", zero);
-  if (vision) {
-    const auto& v = model.vision;
-    check_divides(*this, "sp", sp, "vision num_heads", v.num_heads);
-    check_divides(*this, "tp", tp, "vision num_heads", v.num_heads);
-    check_divides(*this, "tp", tp, "vision intermediate_size", v.intermediate_size);
-    check_divides(*this, "tp", tp, "merger width (hidden * merge^2)",
-                  v.hidden_size * v.spatial_merge_size * v.spatial_merge_size);
-  } else {
-    const auto& t = model.text;
-    check_divides(*this, "tp", tp, "text num_heads", t.num_heads);
-    check_divides(*this, "tp", tp, "text num_kv_heads", t.num_kv_heads);
-    check_divides(*this, "tp", tp, "text intermediate_size", t.intermediate_size);
-    check_divides(*this, "tp", tp, "vocab_size", t.vocab_size);
-  }
+  DHP_CHECK(zero == 0 || zero == 1 || zero == 3, name, " zero=", zero, " must be 0, 1 or 3");
+  DHP_CHECK(sp == 1 || strategy == Strategy::kSequenceParallel, name, " sp=", sp, " needs the strategy sp (got '",
+            strategy_name(strategy), "')");
+  DHP_CHECK(tp == 1 || strategy == Strategy::kTensorParallel, name, " tp=", tp, " needs the strategy tp (got '",
+            strategy_name(strategy), "')");
+  DHP_CHECK(strategy != Strategy::kNone || size() == 1, name, " strategy none runs on one rank, got ", size());
+  DHP_CHECK(strategy != Strategy::kZero3 || zero == 3 || zero == 0, name, " strategy zero3 cannot use zero=", zero);
+  for (const auto& [what, n] : dims.sp_divides) check_divides(*this, "sp", sp, what, n);
+  for (const auto& [what, n] : dims.tp_divides) check_divides(*this, "tp", tp, what, n);
 }
 
 int64_t ModuleLayout::module_rank(int64_t global_rank) const {

@@ -4,7 +4,7 @@ namespace dhp::dist {
 namespace {
 
 std::string group_name(const ModuleLayout& l, const char* axis, const std::vector<int64_t>& ranks) {
-  std::string n = std::string(l.name()) + "/" + axis;
+  std::string n = l.name + "/" + axis;
   for (auto r : ranks) n += "/" + std::to_string(r);
   return n;
 }

@@ -14,6 +14,8 @@
 // touches only the pages it needs and results never alias the mapping.
 #pragma once
 
+#include "dhp/io/files.h"  // read_file, write_file_atomic
+
 #include <torch/types.h>
 
 #include <cstdint>
@@ -81,10 +83,5 @@ class SafetensorsReader {
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
 
-// Writes `bytes` to `path` the same atomic way (temporary name, fsync, rename, fsync of
-// the directory).
-void write_file_atomic(const std::string& path, const std::string& bytes);
-// The whole file as bytes; throws dhp::Error naming it when it cannot be read.
-std::string read_file(const std::string& path);
 
 }  // namespace dhp::io

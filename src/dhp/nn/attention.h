@@ -33,11 +33,6 @@ torch::Tensor varlen_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const std::vector<int64_t>& cu_seqlens,
                                const VarlenAttentionOptions& options = {});
 
-// Reference: one masked S x S softmax per segment, plain autograd ops. Tests only.
-torch::Tensor varlen_attention_naive(const torch::Tensor& q, const torch::Tensor& k,
-                                     const torch::Tensor& v,
-                                     const std::vector<int64_t>& cu_seqlens, bool causal);
-
 // Checks cu_seqlens against a sequence of `total` tokens; throws dhp::Error naming `what`.
 void check_cu_seqlens(const std::vector<int64_t>& cu_seqlens, int64_t total, const char* what);
 

@@ -61,4 +61,27 @@ torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x_shard) {
   return bias.defined() ? y + bias : y;
 }
 
+void make_column_parallel(TpShardMap& map, const std::string& prefix, torch::nn::Module& parent,
+                          const std::string& name, dhp::nn::Linear& member, const dist::Group& g, int64_t parts) {
+  auto p = std::make_shared<ColumnParallelLinearImpl>(*member, g, parts);
+  parent.replace_module(name, p);
+  member = dhp::nn::Linear(std::static_pointer_cast<dhp::nn::LinearImpl>(p));
+  map[prefix + name + ".weight"] = {0, parts};
+  if (p->bias.defined()) map[prefix + name + ".bias"] = {0, parts};
+}
+
+void make_row_parallel(TpShardMap& map, const std::string& prefix, torch::nn::Module& parent, const std::string& name,
+                       dhp::nn::Linear& member, const dist::Group& g) {
+  auto p = std::make_shared<RowParallelLinearImpl>(*member, g);
+  parent.replace_module(name, p);
+  member = dhp::nn::Linear(std::static_pointer_cast<dhp::nn::LinearImpl>(p));
+  map[prefix + name + ".weight"] = {1, 1};
+}
+
+void make_swiglu_parallel(TpShardMap& map, const std::string& prefix, dhp::nn::SwiGLUImpl& mlp, const dist::Group& g) {
+  make_column_parallel(map, prefix, mlp, "gate_proj", mlp.gate_proj, g);
+  make_column_parallel(map, prefix, mlp, "up_proj", mlp.up_proj, g);
+  make_row_parallel(map, prefix, mlp, "down_proj", mlp.down_proj, g);
+}
+
 }  // namespace dhp::parallel

@@ -12,6 +12,9 @@
 
 #include <torch/nn/module.h>
 
+#include <map>
+#include <string>
+
 #include "dhp/dist/comm.h"
 #include "dhp/nn/layers.h"
 
@@ -53,5 +56,21 @@ struct TpShard {
 };
 // The full tensor from every rank's shard (all-gather over `group`), on every rank.
 torch::Tensor unshard(const torch::Tensor& shard, const TpShard& how, const dist::Group& group);
+
+// How each tensor-parallel parameter (single-process name) is cut; others are replicated.
+using TpShardMap = std::map<std::string, TpShard>;
+
+// Replaces child `name` of `parent` (a Linear also held in `member`) by its column-parallel
+// shard over `group` (`parts` stacked blocks, see ColumnParallelLinear) and records the
+// cuts of its parameters in `map` under `prefix` + name + ".weight" / ".bias".
+void make_column_parallel(TpShardMap& map, const std::string& prefix, torch::nn::Module& parent,
+                          const std::string& name, dhp::nn::Linear& member, const dist::Group& group,
+                          int64_t parts = 1);
+// The same with a row-parallel shard (the bias stays replicated).
+void make_row_parallel(TpShardMap& map, const std::string& prefix, torch::nn::Module& parent, const std::string& name,
+                       dhp::nn::Linear& member, const dist::Group& group);
+// A SwiGLU MLP: gate and up column-parallel, down row-parallel.
+void make_swiglu_parallel(TpShardMap& map, const std::string& prefix, dhp::nn::SwiGLUImpl& mlp,
+                          const dist::Group& group);
 
 }  // namespace dhp::parallel

@@ -9,7 +9,7 @@
 
 namespace dhp::parallel {
 
-Zero1AdamW::Zero1AdamW(std::vector<train::NamedParam> params, train::AdamWOptions options, dist::Group group,
+Zero1AdamW::Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOptions options, dist::Group group,
                        std::vector<bool> in_norm)
     : params_(std::move(params)), options_(options), group_(std::move(group)) {
   torch::NoGradGuard no_grad;

@@ -3,7 +3,7 @@
 // r owns the contiguous slice r of it. The step reduce-scatters the local gradients (each
 // rank receives only the sum of its own slice, in fp32, sent in the gradients' dtype),
 // updates its slice, and all-gathers the updated slices back into every rank's parameters
-// in the parameters' dtype. Same math as train::AdamW on the summed gradients, element for
+// in the parameters' dtype. Same math as optim::AdamW on the summed gradients, element for
 // element. Collective: every member calls reduce_gradients() and step() in the same order.
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "dhp/dist/comm.h"
-#include "dhp/train/optim.h"
+#include "dhp/optim/adamw.h"
 
 namespace dhp::parallel {
 
@@ -19,7 +19,7 @@ class Zero1AdamW {
  public:
   // `in_norm[i]`: whether parameter i's elements count in grad_sq_norm() (a parameter
   // replicated across tensor-parallel ranks counts on one of them only); empty = all.
-  Zero1AdamW(std::vector<train::NamedParam> params, train::AdamWOptions options, dist::Group group,
+  Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOptions options, dist::Group group,
              std::vector<bool> in_norm = {});
   // Sums the local gradients (.grad, undefined = zero) over the group into this rank's
   // slice. Collective. step() calls it when it was not called since the last step.
@@ -40,14 +40,14 @@ class Zero1AdamW {
   const torch::Tensor& master() const { return master_; }
   const torch::Tensor& exp_avg() const { return exp_avg_; }
   const torch::Tensor& exp_avg_sq() const { return exp_avg_sq_; }
-  const std::vector<train::NamedParam>& params() const { return params_; }
+  const std::vector<optim::NamedParam>& params() const { return params_; }
   int64_t step_count() const { return step_; }
   void set_step_count(int64_t n) { step_ = n; }
 
  private:
   torch::Tensor flat_grads() const;  // (padded) in the parameters' dtype
-  std::vector<train::NamedParam> params_;
-  train::AdamWOptions options_;
+  std::vector<optim::NamedParam> params_;
+  optim::AdamWOptions options_;
   dist::Group group_;
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters' (common) dtype, else fp32
   int64_t total_ = 0, padded_ = 0, lo_ = 0, n_ = 0;

@@ -68,17 +68,13 @@ struct Zero3Stage : torch::autograd::Function<Zero3Stage> {
   }
 };
 
-Zero3::Zero3(torch::nn::Module& module, const std::vector<std::string>& units,
-             const std::vector<std::string>& scopes, dist::Group group)
+Zero3::Zero3(const std::vector<optim::NamedParam>& params, const std::vector<std::string>& units, dist::Group group)
     : group_(std::move(group)) {
   torch::NoGradGuard no_grad;
   const int64_t ws = group_.size();
   for (const auto& u : units) units_[u];
-  for (auto& kv : module.named_parameters(true)) {
-    const std::string& name = kv.key();
-    bool in_scope = false;
-    for (const auto& sc : scopes) in_scope = in_scope || name.rfind(sc, 0) == 0;
-    if (!in_scope) continue;
+  for (const auto& np : params) {
+    const std::string& name = np.name;
     std::string best;
     for (const auto& u : units) {
       if (name.size() > u.size() && name.compare(0, u.size(), u) == 0 && name[u.size()] == '.' &&
@@ -88,10 +84,10 @@ Zero3::Zero3(torch::nn::Module& module, const std::vector<std::string>& units,
     DHP_CHECK(!best.empty(), "ZeRO-3: parameter ", name, " belongs to no stage");
     Param p;
     p.name = name;
-    p.param = kv.value();
+    p.param = np.param;
     p.shape = p.param.sizes().vec();
     p.numel = p.param.numel();
-    p.decay = qwen::decays(name, p.param);
+    p.decay = np.decay;
     p.chunk = (p.numel + ws - 1) / ws;
     auto flat = torch::zeros({p.chunk * ws}, p.param.options());
     flat.narrow(0, 0, p.numel).copy_(p.param.reshape({-1}));
@@ -162,8 +158,8 @@ nn::StageRunner Zero3::runner() {
   return [this](const std::string& name, const nn::StageFn& fn, const torch::Tensor& x) { return run(name, fn, x); };
 }
 
-std::vector<train::NamedParam> Zero3::shards() const {
-  std::vector<train::NamedParam> out;
+std::vector<optim::NamedParam> Zero3::shards() const {
+  std::vector<optim::NamedParam> out;
   for (const auto& p : params_) {
     out.push_back({p.name, p.shard, p.decay});
   }
@@ -178,34 +174,6 @@ std::map<std::string, torch::Tensor> Zero3::full_parameters() {
     release(u);
   }
   return out;
-}
-
-std::unique_ptr<Zero3> parallelize_zero3(qwen::Qwen2_5_VLImpl& model, const std::string& scope,
-                                         const dist::Group& group) {
-  std::vector<std::string> units;
-  if (scope == "visual") {
-    units = {"visual.patch_embed", "visual.merger"};
-    for (size_t i = 0; i < model.visual->blocks->size(); ++i) units.push_back("visual.blocks." + std::to_string(i));
-    auto z = std::make_unique<Zero3>(model, units, std::vector<std::string>{"visual."}, group);
-    model.visual->runner = z->runner();
-    return z;
-  }
-  DHP_CHECK(scope == "text", "parallelize_zero3: scope must be visual or text, got '", scope, "'");
-  units = {"model.embed_tokens", "model.norm"};
-  for (size_t i = 0; i < model.model->layers->size(); ++i) units.push_back("model.layers." + std::to_string(i));
-  if (model.lm_head) units.push_back("lm_head");
-  auto z = std::make_unique<Zero3>(model, units, std::vector<std::string>{"model.", "lm_head."}, group);
-  Zero3* zp = z.get();
-  auto* m = &model;
-  model.model->runner = z->runner();
-  model.embed_tokens_fn = [zp, m](const torch::Tensor& ids) {
-    return zp->run("model.embed_tokens", [m](const torch::Tensor& x) { return m->model->embed_tokens(x); }, ids);
-  };
-  const std::string head = model.lm_head ? "lm_head" : "model.embed_tokens";
-  model.loss_sum_fn = [zp, m, head](const torch::Tensor& h, const torch::Tensor& tgt) {
-    return zp->run(head, [m, tgt](const torch::Tensor& x) { return m->local_loss_sum(x, tgt); }, h);
-  };
-  return z;
 }
 
 }  // namespace dhp::parallel

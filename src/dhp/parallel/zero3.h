@@ -23,18 +23,16 @@
 
 #include "dhp/dist/comm.h"
 #include "dhp/nn/layers.h"
-#include "dhp/models/qwen2_5_vl/model.h"
-#include "dhp/train/optim.h"
+#include "dhp/optim/adamw.h"
 
 namespace dhp::parallel {
 
 class Zero3 {
  public:
-  // Shards the parameters of `module` whose names start with one of `scopes`; each goes to
-  // the longest unit that prefixes its name (followed by '.'). Throws dhp::Error when such
-  // a parameter matches no unit. Weight decay flags follow qwen::decays.
-  Zero3(torch::nn::Module& module, const std::vector<std::string>& units, const std::vector<std::string>& scopes,
-        dist::Group group);
+  // Shards `params` (a module's parameters, in order, with their decay flags); each goes to
+  // the longest unit that prefixes its name (followed by '.'). Throws dhp::Error when one
+  // matches no unit.
+  Zero3(const std::vector<optim::NamedParam>& params, const std::vector<std::string>& units, dist::Group group);
 
   // fn(x) with unit `unit`'s parameters present (see above). x may be any tensor (token
   // ids included); gradients flow to x when it requires them.
@@ -43,7 +41,7 @@ class Zero3 {
   nn::StageRunner runner();
 
   // This rank's slices, named like the parameters (for the optimizer and clipping).
-  std::vector<train::NamedParam> shards() const;
+  std::vector<optim::NamedParam> shards() const;
   // Every sharded parameter in full, on every rank (collective; for parity checks,
   // evaluation and checkpoints).
   std::map<std::string, torch::Tensor> full_parameters();
@@ -73,11 +71,5 @@ class Zero3 {
   dist::Group group_;
   int64_t gathers_ = 0;
 };
-
-// ZeRO-3 for one module of the model over `group`: scope "visual" (stages patch_embed,
-// blocks.<i>, merger) or "text" (embed_tokens, layers.<i>, norm and the lm_head, which is
-// embed_tokens' stage when tied). Installs the stage runner and hooks; the returned object
-// must outlive the model's use.
-std::unique_ptr<Zero3> parallelize_zero3(qwen::Qwen2_5_VLImpl& model, const std::string& scope, const dist::Group& group);
 
 }  // namespace dhp::parallel

@@ -7,10 +7,12 @@
 #include <sstream>
 
 #include "dhp/core/error.h"
-#include "dhp/models/qwen2_5_vl/vision.h"
-#include "dhp/plan/calibrate.h"
+#include "dhp/models/qwen2_5_vl/windows.h"
+#include "dhp/plan/calibration.h"
 
 namespace dhp::plan {
+
+using S = dist::Strategy;
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -164,9 +166,9 @@ struct Shape {  // one module's per-rank view
 Shape shape_of(const ModuleStrategy& s) {
   Shape sh;
   sh.ranks = s.ranks();
-  if (s.kind == "tp") sh.t = s.degree;
-  if (s.kind == "sp") sh.share = s.degree;
-  sh.replicas = (s.kind == "zero3" || s.kind == "dp") ? s.ranks() : s.dp;
+  if (s.kind == S::kTensorParallel) sh.t = s.degree;
+  if (s.kind == S::kSequenceParallel) sh.share = s.degree;
+  sh.replicas = (s.kind == S::kZero3 || s.kind == S::kDataParallel) ? s.ranks() : s.dp;
   return sh;
 }
 
@@ -184,9 +186,9 @@ double module_state_bytes(const Conventions& cv, const ModuleStrategy& s, double
     v.grad_bytes = 4;
     v.optim_bytes = 8;
   }
-  if (s.kind == "tp") return params / static_cast<double>(s.degree) * state_bytes_per_param(v, s.dp > 1 ? 1 : 0, s.dp);
-  if (s.kind == "sp") return params * state_bytes_per_param(v, 1, s.ranks());
-  if (s.kind == "zero3") return params * state_bytes_per_param(v, 3, s.ranks());
+  if (s.kind == S::kTensorParallel) return params / static_cast<double>(s.degree) * state_bytes_per_param(v, s.dp > 1 ? 1 : 0, s.dp);
+  if (s.kind == S::kSequenceParallel) return params * state_bytes_per_param(v, 1, s.ranks());
+  if (s.kind == S::kZero3) return params * state_bytes_per_param(v, 3, s.ranks());
   return params * state_bytes_per_param(v, 0, 1);
 }
 
@@ -199,8 +201,8 @@ double optimizer_seconds(const Cluster& c, const Conventions& cv, double params_
 }
 
 double params_updated(const ModuleStrategy& s, double params) {
-  if (s.kind == "tp") return params / static_cast<double>(s.degree) / (s.dp > 1 ? static_cast<double>(s.dp) : 1.0);
-  if (s.kind == "sp" || s.kind == "zero3") return params / static_cast<double>(s.ranks());
+  if (s.kind == S::kTensorParallel) return params / static_cast<double>(s.degree) / (s.dp > 1 ? static_cast<double>(s.dp) : 1.0);
+  if (s.kind == S::kSequenceParallel || s.kind == S::kZero3) return params / static_cast<double>(s.ranks());
   return params;
 }
 
@@ -209,13 +211,13 @@ void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, doub
   const int64_t n = s.ranks();
   if (n <= 1) return;
   const Link& l = link_for(c, n);
-  if (s.kind == "sp") {  // ZeRO-1: reduce-scatter the gradients, all-gather the updated parameters
+  if (s.kind == S::kSequenceParallel) {  // ZeRO-1: reduce-scatter the gradients, all-gather the updated parameters
     const double b = params * gbytes;
     tl.collective(2 * all_gather_seconds(l, n, b), 2 * b * (n - 1) / n, 2);
-  } else if (s.kind == "tp" && s.dp > 1) {
+  } else if (s.kind == S::kTensorParallel && s.dp > 1) {
     const double b = params / static_cast<double>(s.degree) * all_reduce_elem_bytes(c, gbytes);
     tl.collective(all_reduce_seconds(link_for(c, n), s.dp, b), 2 * b * (s.dp - 1) / s.dp, 1);
-  } else if (s.kind == "dp") {
+  } else if (s.kind == S::kDataParallel) {
     const double b = params * all_reduce_elem_bytes(c, gbytes);
     tl.collective(all_reduce_seconds(l, n, b), 2 * b * (n - 1) / n, 1);
   }
@@ -228,7 +230,7 @@ void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, doub
 void zero3_unit_collectives(Tally& tl, const Cluster& c, const Conventions& cv, const ModuleStrategy& s,
                             double unit_params, double units, double gbytes, bool checkpointing) {
   const int64_t n = s.ranks();
-  if (s.kind != "zero3" || n <= 1 || units <= 0) return;
+  if (s.kind != S::kZero3 || n <= 1 || units <= 0) return;
   const Link& l = link_for(c, n);
   const double b = unit_params * gbytes;
   const double frac = static_cast<double>(n - 1) / static_cast<double>(n);
@@ -360,9 +362,9 @@ int64_t Workload::tokens_per_sample(int64_t merge) const {
 
 std::string ModuleStrategy::describe() const {
   std::ostringstream os;
-  os << kind;
-  if (kind == "sp" || kind == "tp") os << degree;
-  if (kind == "zero3" || kind == "dp") os << "(" << ranks() << ")";
+  os << dist::strategy_name(kind);
+  if (kind == S::kSequenceParallel || kind == S::kTensorParallel) os << degree;
+  if (kind == S::kZero3 || kind == S::kDataParallel) os << "(" << ranks() << ")";
   else if (dp > 1) os << "xdp" << dp;
   return os.str();
 }
@@ -375,14 +377,14 @@ Plan named_plan(const std::string& name, int64_t devices) {
   Plan p;
   p.name = name;
   if (name == "dhp") {
-    p.vision = {"sp", devices, 1};
-    p.text = {"tp", devices, 1};
+    p.vision = {S::kSequenceParallel, devices, 1};
+    p.text = {S::kTensorParallel, devices, 1};
   } else if (name == "tp") {
-    p.vision = {"tp", devices, 1};
-    p.text = {"tp", devices, 1};
+    p.vision = {S::kTensorParallel, devices, 1};
+    p.text = {S::kTensorParallel, devices, 1};
   } else if (name == "zero3") {
-    p.vision = {"zero3", 1, devices};
-    p.text = {"zero3", 1, devices};
+    p.vision = {S::kZero3, 1, devices};
+    p.text = {S::kZero3, 1, devices};
   } else {
     DHP_FAIL("unknown named plan '", name, "'; known: dhp, tp, zero3");
   }
@@ -469,7 +471,7 @@ double vision_image_flops(const qwen::VisionConfig& v, int64_t gh, int64_t gw) {
 double eager_host_seconds(const Cluster& c, const Conventions& cv, const std::string& module, const ModuleStrategy& s,
                           int64_t layers, const Workload& w) {
   if (!cv.eager || c.eager_layer_host_s.empty()) return 0;
-  const auto it = c.eager_layer_host_s.find(module + (s.kind == "tp" && cv.dtensor_tp ? "/tp" : "/plain"));
+  const auto it = c.eager_layer_host_s.find(module + (s.kind == S::kTensorParallel && cv.dtensor_tp ? "/tp" : "/plain"));
   if (it == c.eager_layer_host_s.end()) return 0;
   // Measured with recomputation: forward, forward again, backward (about twice the forward's
   // operators: each linear's input and weight gradients). Without it, 3 of those 4 parts.
@@ -504,7 +506,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   std::vector<int64_t> index, cu;
   qwen::window_index({{1, gh, gw}}, v, index, cu);
   const double windows = static_cast<double>(cu.size() - 1);
-  if (s.kind == "sp" && windows * images_mb < static_cast<double>(s.degree)) {
+  if (s.kind == S::kSequenceParallel && windows * images_mb < static_cast<double>(s.degree)) {
     why = "vision sp" + std::to_string(s.degree) + ": only " + std::to_string(static_cast<int64_t>(windows * images_mb)) +
           " attention windows per replica and micro-batch to split";
     return cost;
@@ -512,7 +514,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   const double M = images_mb * N / static_cast<double>(sh.share);  // patch rows on this rank
   const double t = static_cast<double>(sh.t);
   // dhp's ZeRO-3 recomputes every unit in backward, checkpointing or not.
-  const bool recompute = w.checkpointing || (s.kind == "zero3" && cv.zero3_units);
+  const bool recompute = w.checkpointing || (s.kind == S::kZero3 && cv.zero3_units);
   Tally tl{c, w.precision, cost, recompute ? 4.0 : 3.0, recompute ? 2.0 : 1.0};
   // Window layers: pairs of each window, weighted by the kernel's rate at its length relative
   // to the rate at a whole image's (so that one attention() call at that rate charges them).
@@ -541,13 +543,13 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
       // Norms and residuals (10h per token) run on every tensor-parallel rank; rotary (4h) and
       // the SwiGLU product (3I) are split.
       tl.elementwise(b * M * (10 * h + (4 * h + 3 * I) / t), 12);
-      if (s.kind == "tp") {  // row-parallel outputs forward (and recomputed), each column-parallel input grad backward
+      if (s.kind == S::kTensorParallel) {  // row-parallel outputs forward (and recomputed), each column-parallel input grad backward
         const double ab = all_reduce_elem_bytes(c, b);
         const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, ab * M * h);
         const int64_t calls = (w.checkpointing ? 4 : 2) + (cv.vision_fused_qkv ? 3 : 5);
         tl.collective(calls * ar, calls * 2 * ab * M * h * (t - 1) / t, calls);
       }
-      if (s.kind == "sp" && full.count(l)) {  // q, k, v to heads and the output back, each pass
+      if (s.kind == S::kSequenceParallel && full.count(l)) {  // q, k, v to heads and the output back, each pass
         const double a2a = all_to_all_seconds(link_for(c, s.degree), s.degree, b * M * h);
         const int64_t calls = 4 * (w.checkpointing ? 3 : 2);
         tl.collective(calls * a2a, calls * b * M * h * (s.degree - 1) / s.degree, calls);
@@ -557,7 +559,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
     tl.elementwise(b * M * h * 2 + b * M / unit * unit * h * 3 / t, 4);
     tl.gemm(M / unit, unit * h / t, unit * h);
     tl.gemm(M / unit, out, unit * h / t);
-    if (s.kind == "tp") {
+    if (s.kind == S::kTensorParallel) {
       const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, all_reduce_elem_bytes(c, b) * M / unit * out);
       tl.collective((w.checkpointing ? 3 : 2) * ar, 0, w.checkpointing ? 3 : 2);
     }
@@ -581,7 +583,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   cost.activation_bytes = recompute ? b * rows * h * static_cast<double>(v.depth + 1)
                                           : per_token_layer * rows * static_cast<double>(v.depth);
   cost.working_bytes = 2 * per_token_layer * rows;  // a block's tensors and their gradients in backward
-  if (s.kind == "zero3") {
+  if (s.kind == S::kZero3) {
     // dhp: the largest unit in its backward: gathered, its full gradient, and the
     // reduce-scatter's padded copy, send buffer and received sums (5x its bytes).
     const double largest = std::max({static_cast<double>(vision_block_params(v)), static_cast<double>(v.patch_dim()) * h,
@@ -613,13 +615,13 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   const double targets = samples_mb * static_cast<double>(w.target_tokens);
   const double logit_rows = cv.logits_all_positions ? M : targets;
   const double t = static_cast<double>(sh.t);
-  const bool recompute = w.checkpointing || (s.kind == "zero3" && cv.zero3_units);
+  const bool recompute = w.checkpointing || (s.kind == S::kZero3 && cv.zero3_units);
   Tally tl{c, w.precision, cost, recompute ? 4.0 : 3.0, recompute ? 2.0 : 1.0};
   const double layers = static_cast<double>(tc.num_layers);
   const Link& tl_link = link_for(c, sh.t);
   for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
     tl.elementwise(b * M * h * 2, 1);  // embedding lookup
-    if (s.kind == "tp") {
+    if (s.kind == S::kTensorParallel) {
       const double ab = all_reduce_elem_bytes(c, b);
       tl.collective(all_reduce_seconds(tl_link, sh.t, ab * M * h), 2 * ab * M * h * (t - 1) / t, 1);
     }
@@ -633,7 +635,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
       tl.gemm(M, h, I / t);
       tl.attention(4 * hd * heads / t * samples_mb * attention_pairs(c, L, true), L);
       tl.elementwise(b * M * (10 * h + (2 * h + 2 * kv + 3 * I) / t), 12);
-      if (s.kind == "tp") {  // o and down forward (and recomputed); q, k, v, gate, up input grads backward
+      if (s.kind == S::kTensorParallel) {  // o and down forward (and recomputed); q, k, v, gate, up input grads backward
         const double ab = all_reduce_elem_bytes(c, b);
         const double ar = all_reduce_seconds(tl_link, sh.t, ab * M * h);
         const int64_t calls = (w.checkpointing ? 4 : 2) + 5;
@@ -644,7 +646,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
     tl.elementwise(b * M * h * 2, 2);
     cost.gemm_s += 3 * gemm_seconds(c, w.precision, logit_rows, V / t, h);  // not recomputed
     cost.elementwise_s += 3 * elementwise_seconds(c, 4 * logit_rows * V / t * 3, 6);
-    if (s.kind == "tp") {
+    if (s.kind == S::kTensorParallel) {
       tl.collective(3 * all_reduce_seconds(tl_link, sh.t, 8 * logit_rows) +
                         all_reduce_seconds(tl_link, sh.t, all_reduce_elem_bytes(c, b) * logit_rows * h),
                     2 * b * logit_rows * h * (t - 1) / t, 4);
@@ -652,7 +654,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
     zero3_unit_collectives(tl, c, cv, s, static_cast<double>(text_layer_params(tc)), layers, b, w.checkpointing);
     if (cv.zero3_units) {  // dhp: the embedding and the head (the embedding again when tied) are units
       zero3_unit_collectives(tl, c, cv, s, V * h, 2, b, w.checkpointing);
-    } else if (s.kind == "zero3") {  // embeddings and lm_head gathered too
+    } else if (s.kind == S::kZero3) {  // embeddings and lm_head gathered too
       const Link& l = link_for(c, s.ranks());
       const double eb = V * h * b * (tc.tie_word_embeddings ? 1 : 2);
       tl.collective(3 * all_gather_seconds(l, s.ranks(), eb), 3 * eb, 3);
@@ -672,7 +674,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   cost.activation_bytes = recompute ? b * M * h * (layers + 1) : per_token_layer * M * layers;
   cost.working_bytes = 2 * per_token_layer * M;
   cost.logits_bytes = cv.logit_bytes * logit_rows * V / t;
-  if (s.kind == "zero3") {
+  if (s.kind == S::kZero3) {
     const double largest = std::max(static_cast<double>(text_layer_params(tc)), V * h);  // as for the vision
     cost.gathered_bytes = cv.zero3_live_params > 0 ? std::min(cv.zero3_live_params, pc) * b + cv.zero3_bucket_bytes
                                                    : 5 * largest * b;
@@ -705,11 +707,11 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
   }
   if (w.batch_size % w.micro_batches != 0) return fail("batch not divisible into micro-batches");
   const auto& v = m.vision;
-  if ((vs.kind == "tp" || vs.kind == "sp") && !divides(vs.degree, v.num_heads)) {
+  if ((vs.kind == S::kTensorParallel || vs.kind == S::kSequenceParallel) && !divides(vs.degree, v.num_heads)) {
     return fail("vision " + vs.describe() + ": " + std::to_string(v.num_heads) + " heads do not split " +
                 std::to_string(vs.degree) + " ways");
   }
-  if (ts.kind == "tp" && (!divides(ts.degree, m.text.num_heads) || !divides(ts.degree, m.text.num_kv_heads))) {
+  if (ts.kind == S::kTensorParallel && (!divides(ts.degree, m.text.num_heads) || !divides(ts.degree, m.text.num_kv_heads))) {
     return fail("text " + ts.describe() + ": " + std::to_string(m.text.num_heads) + " heads / " +
                 std::to_string(m.text.num_kv_heads) + " kv heads do not split " + std::to_string(ts.degree) + " ways");
   }
@@ -727,7 +729,7 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
     const Link& l = link_for(c, G);
     e.redistribute_s = 2 * (l.latency_s + emb / static_cast<double>(std::max<int64_t>(1, std::min(vs.ranks(), ts.ranks()))) /
                                               l.bus_bandwidth);
-  } else if (vs.kind == "sp" && ts.kind != "zero3" && ts.kind != "dp") {
+  } else if (vs.kind == S::kSequenceParallel && ts.kind != S::kZero3 && ts.kind != S::kDataParallel) {
     // Sequence-split embeddings gathered to every text rank; gradients sliced locally.
     e.redistribute_s = all_gather_seconds(link_for(c, vs.ranks()), vs.ranks(), emb / static_cast<double>(vs.dp));
   }
@@ -769,16 +771,16 @@ std::vector<Plan> candidate_plans(const Cluster& c, const std::string& conv) {
   auto module_options = [&](int64_t n, bool vision) {
     std::vector<ModuleStrategy> out;
     if (n == 1) {
-      out.push_back({"none", 1, 1});
+      out.push_back({S::kNone, 1, 1});
       return out;
     }
     for (int64_t d = 2; d <= n; ++d) {
       if (n % d) continue;
-      if (vision) out.push_back({"sp", d, n / d});
-      out.push_back({"tp", d, n / d});
+      if (vision) out.push_back({S::kSequenceParallel, d, n / d});
+      out.push_back({S::kTensorParallel, d, n / d});
     }
-    out.push_back({"zero3", 1, n});
-    out.push_back({"dp", 1, n});
+    out.push_back({S::kZero3, 1, n});
+    out.push_back({S::kDataParallel, 1, n});
     return out;
   };
   std::vector<Plan> plans;

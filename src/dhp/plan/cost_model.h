@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "dhp/dist/layout.h"
 #include "dhp/models/qwen2_5_vl/config.h"
 
 namespace dhp::plan {
@@ -71,7 +72,7 @@ struct Cluster {
   // bench/device/reference_layers.py with tiny inputs (the GPU idle, so the time is the
   // host's dispatch alone): keys vision/tp and text/tp (DTensor tensor parallelism),
   // vision/plain and text/plain (plain modules). Used under the eager conventions
-  // (reference, deepspeed); empty: not modeled (load_eager_host_times, calibrate.h).
+  // (reference, deepspeed); empty: not modeled (load_eager_host_times, calibration.h).
   std::map<std::string, double> eager_layer_host_s;
   std::string eager_host_source;    // where they were measured
   Link intra, inter;                // inside a node, across nodes
@@ -81,7 +82,7 @@ struct Cluster {
 };
 
 // Presets: h100, h200, a100 (optionally xN devices, e.g. h100x8, h100x16: 8 per node), or
-// local (loaded from a calibration file, see calibrate.h). Throws naming the known ones.
+// local (loaded from a calibration file, see calibration.h). Throws naming the known ones.
 Cluster cluster_preset(const std::string& spec);
 std::vector<std::string> cluster_preset_names();
 
@@ -132,7 +133,7 @@ Conventions conventions(const std::string& name);  // dhp, reference (SP+TP, TP:
 // (Megatron tensor parallel; vocabulary split for the text), zero3, dp; `degree` is the sp
 // or tp degree, `dp` the replicas. Ranks = degree * dp.
 struct ModuleStrategy {
-  std::string kind = "none";
+  dist::Strategy kind = dist::Strategy::kNone;
   int64_t degree = 1;
   int64_t dp = 1;
   int64_t ranks() const { return degree * dp; }

@@ -8,9 +8,9 @@
 #include "dhp/core/error.h"
 #include "dhp/core/memory.h"
 #include "dhp/data/shapes.h"
-#include "dhp/plan/calibrate.h"
+#include "dhp/plan/calibration.h"
 #include "dhp/plan/cost_model.h"
-#include "dhp/train/parallel_model.h"
+#include "dhp/train/layouts.h"
 
 namespace dhp::train {
 
@@ -39,7 +39,7 @@ void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w) {
 }
 
 Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
-  if (cfg.parallel.strategy != "auto") return cfg;
+  if (parse_combination(cfg.parallel.strategy) != Combination::kAuto) return cfg;
   Config out = cfg;
   auto& p = out.parallel;
   p.vision = ModuleParallelOptions();
@@ -88,10 +88,11 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
   std::stable_sort(ok.begin(), ok.end(), [](const plan::Estimate& a, const plan::Estimate& b) { return a.step_s < b.step_s; });
   auto to_options = [&](const plan::ModuleStrategy& s, int64_t first) {
     ModuleParallelOptions o;
-    o.strategy = s.kind;
-    if (s.kind == "sp") o.sp = s.degree;
-    if (s.kind == "tp") o.tp = s.degree;
-    if (s.kind == "sp" || s.kind == "tp") o.dp = s.dp;
+    using S = dist::Strategy;
+    o.strategy = dist::strategy_name(s.kind);
+    if (s.kind == S::kSequenceParallel) o.sp = s.degree;
+    if (s.kind == S::kTensorParallel) o.tp = s.degree;
+    if (s.kind == S::kSequenceParallel || s.kind == S::kTensorParallel) o.dp = s.dp;
     for (int64_t r = 0; r < s.ranks(); ++r) o.ranks.push_back(first + r);
     return o;
   };
@@ -142,6 +143,21 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
   DHP_FAIL("parallel.strategy=auto: no plan fits ", world, " ranks of this machine (", reasons_list,
            rejected_by_dhp.empty() ? std::string() : "; " + rejected_by_dhp,
            "); lower data.batch_size, raise training.memory_limit or enable activation checkpointing");
+}
+
+std::vector<std::string> pinned_parallel_sets(const Config& cfg) {
+  std::vector<std::string> out = {"parallel.strategy=" + cfg.parallel.strategy};
+  for (const auto& [name, m] : {std::pair<const char*, const ModuleParallelOptions*>{"vision", &cfg.parallel.vision},
+                                {"text", &cfg.parallel.text}}) {
+    const std::string k = std::string("parallel.") + name + ".";
+    out.push_back(k + "strategy=" + (m->strategy.empty() ? "\"\"" : m->strategy));
+    out.push_back(k + "ranks=" + detail::to_yaml_text(m->ranks));
+    out.push_back(k + "sp=" + std::to_string(m->sp));
+    out.push_back(k + "tp=" + std::to_string(m->tp));
+    out.push_back(k + "dp=" + std::to_string(m->dp));
+    out.push_back(k + "zero=" + std::to_string(m->zero));
+  }
+  return out;
 }
 
 }  // namespace dhp::train

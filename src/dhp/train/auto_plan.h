@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "dhp/plan/cost_model.h"
 #include "dhp/train/config.h"
@@ -17,6 +18,11 @@ namespace dhp::train {
 // plans were rejected and for what. Throws when the calibration file is missing (naming
 // the command that makes it) or no plan fits.
 Config resolve_auto(const Config& cfg, int64_t world, std::string* why = nullptr);
+
+// The --set KEY=VALUE overrides that give a config the parallel section of `cfg` (every
+// parallel.strategy and parallel.<module>.* key but timeout_s and pipeline): how the
+// launcher hands the layout it chose for auto to its workers.
+std::vector<std::string> pinned_parallel_sets(const Config& cfg);
 
 // The calibration file resolve_auto reads for `world` ranks.
 std::string auto_calibration_path(int64_t world);

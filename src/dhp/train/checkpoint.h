@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "dhp/io/checkpoint_store.h"
+#include "dhp/parallel/checkpoint_piece.h"
 #include "dhp/parallel/tensor_parallel.h"
 #include "dhp/train/config.h"
 
@@ -29,15 +30,7 @@ class HfWeights;
 
 namespace dhp::train {
 
-struct CheckpointPiece {
-  std::string name;             // global tensor name, e.g. "exp_avg/model.norm.weight"
-  std::vector<int64_t> shape;   // its global (single-process) shape
-  parallel::TpShard tp;         // how the local tensor is cut from it (dim -1: the whole tensor)
-  int64_t tp_rank = 0, tp_size = 1;
-  int64_t begin = 0;            // first local element (row-major) that `data` holds
-  torch::Tensor data;           // 1-D view of the elements, in the local dtype; loading writes through it
-  bool write = false;           // this rank saves these elements (exactly one writer per element in a job)
-};
+using parallel::CheckpointPiece;
 
 // One run of local elements and the global box it is.
 struct BoxSegment {

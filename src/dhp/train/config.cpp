@@ -1,6 +1,9 @@
 #include "dhp/train/config.h"
 
+#include <c10/util/Exception.h>  // TORCH_INTERNAL_ASSERT
+
 #include "dhp/core/memory.h"
+#include "dhp/dist/layout.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 
 namespace dhp {
@@ -88,16 +91,40 @@ void Config::validate() const {
   DHP_CHECK(training.log_every > 0, "training.log_every must be > 0");
   parse_bytes(training.memory_limit, "training.memory_limit");
   {
-    const auto& s = parallel.strategy;
-    DHP_CHECK(s == "none" || s == "dhp" || s == "tp" || s == "zero3" || s == "dp" || s == "custom" || s == "auto",
-              "parallel.strategy='", s, "' is not one of none, dhp, tp, zero3, dp, custom, auto");
+    const Combination named = parse_combination(parallel.strategy);
     DHP_CHECK(parallel.timeout_s > 0, "parallel.timeout_s must be > 0, got ", parallel.timeout_s);
-    DHP_CHECK(s != "custom" || (!parallel.vision.strategy.empty() && !parallel.text.strategy.empty()),
+    DHP_CHECK(named != Combination::kCustom || (!parallel.vision.strategy.empty() && !parallel.text.strategy.empty()),
               "parallel.strategy=custom needs parallel.vision.strategy and parallel.text.strategy");
+    for (const auto& [key, m] : {std::pair<const char*, const ModuleParallelOptions*>{"parallel.vision.strategy", &parallel.vision},
+                                 {"parallel.text.strategy", &parallel.text}}) {
+      if (!m->strategy.empty()) dist::parse_strategy(m->strategy, key, dist::all_strategies());
+    }
   }
   DHP_CHECK(!output.dir.empty(), "output.dir must not be empty");
   DHP_CHECK(checkpoint.every >= 0, "checkpoint.every must be >= 0 (0 = only at the end), got ", checkpoint.every);
   DHP_CHECK(checkpoint.keep >= 0, "checkpoint.keep must be >= 0 (0 = keep all), got ", checkpoint.keep);
+}
+
+namespace {
+const std::pair<Combination, const char*> kCombinations[] = {
+    {Combination::kNone, "none"}, {Combination::kDhp, "dhp"},       {Combination::kTp, "tp"},
+    {Combination::kZero3, "zero3"}, {Combination::kDp, "dp"},       {Combination::kCustom, "custom"},
+    {Combination::kAuto, "auto"}};
+}  // namespace
+
+Combination parse_combination(const std::string& value) {
+  std::string names;
+  for (const auto& [c, name] : kCombinations) {
+    if (value == name) return c;
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  DHP_FAIL("parallel.strategy='", value, "' is not one of ", names);
+}
+
+const char* combination_name(Combination c) {
+  for (const auto& [k, name] : kCombinations)
+    if (k == c) return name;
+  TORCH_INTERNAL_ASSERT(false, "unknown combination ", static_cast<int>(c));
 }
 
 std::string checkpoint_root(const Config& cfg) {

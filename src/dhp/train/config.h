@@ -111,6 +111,20 @@ struct TrainingOptions {
   }
 };
 
+// parallel.strategy: a named combination of module strategies.
+enum class Combination {
+  kNone,    // none: one process
+  kDhp,     // dhp: sp (+ZeRO-1) where a module supports it (vision), tp elsewhere (text)
+  kTp,      // tp: every module tp
+  kZero3,   // zero3: every module zero3
+  kDp,      // dp: every module data-parallel
+  kCustom,  // custom: parallel.<module>.strategy says, for every module
+  kAuto,    // auto: the planner picks (train/auto_plan.h), before the workers start
+};
+// Parses parallel.strategy; throws dhp::Error naming the key, the value and the valid names.
+Combination parse_combination(const std::string& value);
+const char* combination_name(Combination c);
+
 // One module's strategy and degrees; empty / 0 / -1 = derived from parallel.strategy and
 // the number of ranks (see resolve_layouts).
 struct ModuleParallelOptions {

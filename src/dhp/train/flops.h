@@ -4,7 +4,7 @@
 // the usual model-FLOPs-utilisation convention.
 #pragma once
 
-#include "dhp/data/shapes.h"
+#include "dhp/data/sample.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 
 namespace dhp::train {

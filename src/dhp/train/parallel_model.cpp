@@ -1,7 +1,5 @@
 #include "dhp/train/parallel_model.h"
 
-#include "dhp/train/auto_plan.h"
-
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -13,14 +11,9 @@
 #include "dhp/core/log.h"
 #include "dhp/core/memory.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
-#include "dhp/parallel/data_parallel.h"
-#include "dhp/parallel/mappings.h"
-#include "dhp/parallel/parallelize.h"
+#include "dhp/models/qwen2_5_vl/parallelize.h"
 #include "dhp/parallel/redistribute.h"
 #include "dhp/parallel/tensor_parallel.h"
-#include "dhp/parallel/vision_sp.h"
-#include "dhp/parallel/zero.h"
-#include "dhp/parallel/zero3.h"
 
 namespace dhp::train {
 namespace {
@@ -30,40 +23,6 @@ void set_attention_block(qwen::Qwen2_5_VLImpl& m, int64_t block) {
   for (auto& l : *m.model->layers) l->as<qwen::DecoderLayerImpl>()->self_attn->core = qwen::local_attention_core(block);
 }
 
-bool is_vision(const std::string& name) { return name.rfind("visual.", 0) == 0; }
-
-// Fills the ranks, strategy and degrees of one module from the named combination and
-// overrides.
-dist::ModuleLayout resolve_module(const ModuleParallelOptions& o, const std::string& named, dist::ModuleKind kind,
-                                  int64_t world) {
-  dist::ModuleLayout l;
-  l.kind = kind;
-  const bool vision = kind == dist::ModuleKind::kVision;
-  const std::string key = std::string("parallel.") + (vision ? "vision" : "text");
-  if (!o.strategy.empty()) l.strategy = o.strategy;
-  else if (named == "dhp") l.strategy = vision ? "sp" : "tp";
-  else l.strategy = named;  // none, tp, zero3, dp (custom requires both modules' strategies)
-  l.ranks = o.ranks.empty() ? dist::iota_ranks(world) : o.ranks;
-  const int64_t n = l.size();
-  const std::string where = o.ranks.empty() ? "the " + std::to_string(n) + " ranks"
-                                            : "the " + std::to_string(n) + " ranks of " + key + ".ranks";
-  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"sp", o.sp}, {"tp", o.tp}, {"dp", o.dp}}) {
-    DHP_CHECK(v >= 0, key, ".", name, "=", v, " must be >= 1 (or 0 = derived)");
-    DHP_CHECK(v == 0 || n % v == 0, key, ".", name, "=", v, " does not divide ", where);
-  }
-  l.sp = o.sp ? o.sp : 1;
-  l.tp = o.tp ? o.tp : 1;
-  l.dp = o.dp ? o.dp : 1;
-  // The strategy's own degree takes what the others leave; dp takes the rest otherwise.
-  if (l.strategy == "sp" && !o.sp) l.sp = n / (l.tp * l.dp);
-  if (l.strategy == "tp" && !o.tp) l.tp = n / (l.sp * l.dp);
-  if (!o.dp && l.strategy != "none") l.dp = std::max<int64_t>(1, n / (l.sp * l.tp));
-  l.zero = o.zero >= 0 ? o.zero : (l.strategy == "sp" ? 1 : l.strategy == "zero3" ? 3 : 0);
-  DHP_CHECK(l.strategy != "none" || n == 1, key, ".strategy=none runs on one process, but the module has ", where,
-            " (use dp for replicas, or a parallel strategy)");
-  return l;
-}
-
 int64_t image_rows(const data::Sample& s, int64_t image_token_id) {
   int64_t n = 0;
   for (auto id : s.ids) n += id == image_token_id;
@@ -71,14 +30,6 @@ int64_t image_rows(const data::Sample& s, int64_t image_token_id) {
 }
 
 }  // namespace
-
-std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model) {
-  std::vector<NamedParam> out;
-  for (auto& kv : model.named_parameters(true)) {
-    out.push_back({kv.key(), kv.value(), qwen::decays(kv.key(), kv.value())});
-  }
-  return out;
-}
 
 torch::Device resolve_device(const Config& cfg, const Runtime& rt) {
   const std::string& d = cfg.training.device;
@@ -103,81 +54,13 @@ qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
   return m;
 }
 
-Layouts resolve_layouts(const Config& cfg, int64_t world) {
-  DHP_CHECK(world >= 1, "the job needs at least one rank, got ", world);
-  if (cfg.parallel.strategy == "auto") return resolve_layouts(resolve_auto(cfg, world), world);
-  const auto& p = cfg.parallel;
-  DHP_CHECK(p.strategy != "none" || world == 1 || !p.vision.strategy.empty() || !p.text.strategy.empty() ||
-                !p.vision.ranks.empty() || !p.text.ranks.empty(),
-            "parallel.strategy=none runs on one process, but the job has ", world,
-            " ranks; choose parallel.strategy = dhp, tp, zero3 or dp");
-  Layouts l;
-  l.vision = resolve_module(p.vision, p.strategy, dist::ModuleKind::kVision, world);
-  l.text = resolve_module(p.text, p.strategy, dist::ModuleKind::kText, world);
-  for (auto* m : {&l.vision, &l.text}) {
-    try {
-      m->validate(cfg.model.config, world);
-    } catch (const Error& e) {
-      DHP_FAIL("parallel.", m->name(), ": ", e.what());
-    }
-  }
-  for (int64_t r = 0; r < world; ++r) {
-    DHP_CHECK(l.vision.module_rank(r) >= 0 || l.text.module_rank(r) >= 0, "rank ", r, " of the ", world,
-              " runs no module: parallel.vision.ranks=", detail::to_yaml_text(l.vision.ranks),
-              " and parallel.text.ranks=", detail::to_yaml_text(l.text.ranks), " leave it idle");
-  }
-  // Every replica of both modules needs at least one sample of the smallest micro-batch
-  // (packed micro-batches always hold one per replica).
-  const int64_t smallest = cfg.data.pack_tokens > 0 ? std::max(l.vision.dp, l.text.dp)
-                                                    : cfg.data.batch_size / cfg.training.micro_batches;
-  for (auto* m : {&l.vision, &l.text}) {
-    DHP_CHECK(smallest >= m->dp, "parallel.", m->name(), ".dp=", m->dp, " replicas need at least ", m->dp,
-              " samples per micro-batch, but data.batch_size=", cfg.data.batch_size, " / training.micro_batches=",
-              cfg.training.micro_batches, " gives ", smallest);
-  }
-  // Sequence parallelism needs a window per rank: count the windows of the smallest images.
-  if (l.vision.sp > 1) {
-    const auto& v = cfg.model.config.vision;
-    const int64_t unit = v.patch_size * v.spatial_merge_size;
-    const int64_t side = unit * ((cfg.data.min_side + unit - 1) / unit);  // smallest image side
-    const int64_t per_side = (side + v.window_size - 1) / v.window_size;
-    const int64_t images = smallest / l.vision.dp;
-    const int64_t windows = images * per_side * per_side;
-    DHP_CHECK(windows >= l.vision.sp, "parallel.vision.sp=", l.vision.sp, " needs at least one attention window per ",
-              "rank, but a vision replica may get only ", windows, " window(s) per micro-batch: ", images,
-              " image(s) (data.batch_size=", cfg.data.batch_size, ", training.micro_batches=",
-              cfg.training.micro_batches, ", vision dp=", l.vision.dp, ") of at least ", side, "x", side, " px (",
-              per_side * per_side, " window(s) of ", v.window_size, " px each); use larger images, more samples or a "
-              "smaller sp");
-  }
-  return l;
-}
-
-std::string describe(const Layouts& l) {
-  const bool same_ranks = l.vision.ranks == l.text.ranks;
-  auto one = [&](const dist::ModuleLayout& m) {
-    std::string s = std::string(m.name()) + " " + m.strategy;
-    if (m.sp > 1) s += " sp=" + std::to_string(m.sp);
-    if (m.tp > 1) s += " tp=" + std::to_string(m.tp);
-    if (m.dp > 1) s += " dp=" + std::to_string(m.dp);
-    if (m.zero > 0) s += " zero=" + std::to_string(m.zero);
-    if (!same_ranks) s += " on ranks " + detail::to_yaml_text(m.ranks);
-    return s;
-  };
-  return one(l.vision) + " | " + one(l.text);
-}
-
-struct ParallelModel::Module {
+struct ParallelModel::Stage {
   dist::ModuleLayout layout;
   bool member = false;  // does this rank host the module?
   dist::ProcessGroups pg;
   dist::ModuleLayout::Coord coord;
-  parallel::TpShardMap tp_map;
-  std::unique_ptr<parallel::Zero3> zero3;
-  std::vector<NamedParam> params;  // what the optimizer updates on this rank
-  std::vector<bool> in_norm;       // counted once in the global gradient norm
-  std::unique_ptr<AdamW> adam;
-  std::unique_ptr<parallel::Zero1AdamW> zero1;
+  std::unique_ptr<parallel::ModuleTarget> target;
+  std::unique_ptr<parallel::ModuleStrategy> strategy;  // null where the module does not run
 };
 
 // What the schedule's actions of one micro-batch hand each other on this rank.
@@ -190,11 +73,15 @@ struct ParallelModel::MicroBatchState {
 
 ParallelModel::~ParallelModel() = default;
 
-void ParallelModel::release_parameters(bool vision) {
+ParallelModel::Stage& ParallelModel::encoder() { return stages_.front(); }
+ParallelModel::Stage& ParallelModel::decoder() { return stages_.back(); }
+const ParallelModel::Stage& ParallelModel::encoder() const { return stages_.front(); }
+const ParallelModel::Stage& ParallelModel::decoder() const { return stages_.back(); }
+
+void ParallelModel::release_parameters(const parallel::ModuleTarget& target) {
   torch::NoGradGuard no_grad;
   for (auto& kv : model_->named_parameters(true)) {
-    if (is_vision(kv.key()) != vision) continue;
-    kv.value().set_data(torch::empty({0}, kv.value().options()));
+    if (target.owns(kv.key())) kv.value().set_data(torch::empty({0}, kv.value().options()));
   }
 }
 
@@ -207,60 +94,35 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   if (!device_.is_cpu()) model_->to(device_);       // before the optimizers take the parameters
   for (auto& kv : model_->named_parameters(true)) full_shapes_[kv.key()] = kv.value().sizes().vec();
   dtype_ = model_->parameters().front().scalar_type();
-  auto make = [&](const dist::ModuleLayout& l) {
-    auto m = std::make_unique<Module>();
-    m->layout = l;
-    m->member = l.module_rank(rt_.rank) >= 0;
-    if (rt_.world > 1) m->pg = dist::make_process_groups(*rt_.store, l, rt_.rank, rt_.timeout);
-    if (m->member) m->coord = l.coord(l.module_rank(rt_.rank));
-    return m;
-  };
-  vision_ = make(layouts_.vision);
-  text_ = make(layouts_.text);
-  auto& m = *model_;
-  if (!vision_->member) release_parameters(/*vision=*/true);
-  if (!text_->member) release_parameters(/*vision=*/false);
-  const auto& vs = vision_->layout.strategy;
-  if (vision_->member) {
-    if (vs == "sp") parallel::parallelize_vision_sp(m, vision_->pg.sp, cfg_.training.attention_block);
-    else if (vs == "tp") vision_->tp_map = parallel::parallelize_vision_tp(m, vision_->pg.tp);
-    else if (vs == "zero3") vision_->zero3 = parallel::parallelize_zero3(m, "visual", vision_->pg.dp);
+  auto targets = qwen::module_targets(*model_, cfg_.training.attention_block);
+  TORCH_INTERNAL_ASSERT(targets.size() == layouts_.modules.size());
+  for (size_t i = 0; i < targets.size(); ++i) {
+    Stage s;
+    s.layout = layouts_.modules[i];
+    TORCH_INTERNAL_ASSERT(s.layout.name == targets[i]->name());
+    s.member = s.layout.module_rank(rt_.rank) >= 0;
+    // Collective over the job: every rank builds every module's groups, in module order.
+    if (rt_.world > 1) s.pg = dist::make_process_groups(*rt_.store, s.layout, rt_.rank, rt_.timeout);
+    s.pg.member = s.member;
+    if (s.member) s.coord = s.layout.coord(s.layout.module_rank(rt_.rank));
+    s.target = std::move(targets[i]);
+    stages_.push_back(std::move(s));
   }
-  const auto& ts = text_->layout.strategy;
-  if (text_->member) {
-    if (ts == "tp") text_->tp_map = parallel::parallelize_text_tp(m, text_->pg.tp);
-    else if (ts == "zero3") text_->zero3 = parallel::parallelize_zero3(m, "text", text_->pg.dp);
+  for (auto& s : stages_) {
+    if (!s.member) release_parameters(*s.target);
   }
-
-  AdamWOptions o;
+  for (auto& s : stages_) {
+    if (!s.member) continue;
+    s.strategy = parallel::make_strategy(s.layout, s.pg);
+    s.strategy->apply(*s.target);
+  }
+  optim::AdamWOptions o;
   o.beta1 = cfg_.training.beta1;
   o.beta2 = cfg_.training.beta2;
   o.eps = cfg_.training.eps;
   o.weight_decay = cfg_.training.weight_decay;
-  const auto all = named_params(m);
-  for (Module* mod : {vision_.get(), text_.get()}) {
-    if (!mod->member) continue;
-    const bool vis = mod == vision_.get();
-    std::vector<bool> once_over_tp;  // counted on one rank of its TP group (TP shards: on each)
-    if (mod->zero3) {
-      mod->params = mod->zero3->shards();
-      mod->in_norm.assign(mod->params.size(), true);
-    } else {
-      for (const auto& p : all) {
-        if (is_vision(p.name) != vis) continue;
-        mod->params.push_back(p);
-        once_over_tp.push_back(mod->tp_map.count(p.name) || mod->coord.tp == 0);
-        mod->in_norm.push_back(mod->pg.data.rank() == 0 && once_over_tp.back());
-      }
-    }
-    if (!rt_.optimizer) continue;
-    // Elements of a ZeRO-1 slice are unique over the data group, so the slicing replaces
-    // in_norm's data-rank condition.
-    if (mod->layout.zero == 1) {
-      mod->zero1 = std::make_unique<parallel::Zero1AdamW>(mod->params, o, mod->pg.data, once_over_tp);
-    } else {
-      mod->adam = std::make_unique<AdamW>(mod->params, o);
-    }
+  for (auto& s : stages_) {
+    if (s.strategy && rt_.optimizer) s.strategy->make_optimizer(o);
   }
   if (!cfg_.model.from.empty()) load_from(cfg_.model.from);
 }
@@ -275,16 +137,21 @@ void ParallelModel::load_from(const std::string& dir) {
   if (rt_.rank == 0) qwen::unused_hf_tensors(w, [&](const std::string& n) { return full_shapes_.count(n) > 0; });
 }
 
-bool ParallelModel::hosts_vision() const { return vision_->member; }
-bool ParallelModel::hosts_text() const { return text_->member; }
+parallel::HeldElements ParallelModel::held(const std::string& name) const {
+  for (const auto& s : stages_) {
+    if (s.layout.name == name) return s.strategy ? s.strategy->held() : parallel::HeldElements{};
+  }
+  DHP_FAIL("no module named '", name, "'");
+}
 
 std::vector<Action> ParallelModel::schedule(int64_t micro_batches) const {
-  return make_schedule(layouts_.vision, layouts_.text, rt_.rank, micro_batches, cfg_.parallel.pipeline);
+  return make_schedule(layouts_.encoder(), layouts_.decoder(), rt_.rank, micro_batches, cfg_.parallel.pipeline);
 }
 
 bool ParallelModel::encodes(int64_t i, int64_t n) const {
-  if (!vision_->member) return false;
-  const auto c = parallel::replica_chunk(n, vision_->layout.dp, vision_->coord.dp);
+  const auto& v = encoder();
+  if (!v.member) return false;
+  const auto c = parallel::replica_chunk(n, v.layout.dp, v.coord.dp);
   return i >= c.first && i < c.second;
 }
 
@@ -295,7 +162,7 @@ ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vecto
   for (size_t i = 0; i < micro.size(); ++i) {
     std::vector<int64_t> rows;
     for (const auto& s : micro[i]) rows.push_back(image_rows(s, img));
-    state[i].plan = parallel::plan_redistribute(layouts_.vision, layouts_.text, rows);
+    state[i].plan = parallel::plan_redistribute(layouts_.encoder(), layouts_.decoder(), rows);
   }
   StepResult result;
   for (const auto& a : schedule(static_cast<int64_t>(micro.size()))) {
@@ -309,14 +176,15 @@ ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vecto
 
 torch::Tensor ParallelModel::encode_vision_chunk(std::vector<data::Sample>& mb, int64_t micro_batch) {
   const int64_t n = static_cast<int64_t>(mb.size());
-  const auto vc = parallel::replica_chunk(n, vision_->layout.dp, vision_->coord.dp);
+  const auto& vs = encoder();
+  const auto vc = parallel::replica_chunk(n, vs.layout.dp, vs.coord.dp);
   // Vision replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
-  if (vision_->zero3) {
-    for (int64_t v = 0; v < vision_->layout.dp; ++v) {
-      const auto c = parallel::replica_chunk(n, vision_->layout.dp, v);
+  if (vs.strategy->replicas_run_together()) {
+    for (int64_t v = 0; v < vs.layout.dp; ++v) {
+      const auto c = parallel::replica_chunk(n, vs.layout.dp, v);
       bool any = false;
       for (int64_t i = c.first; i < c.second; ++i) any = any || !mb[i].grids.empty();
-      DHP_CHECK(any, "vision zero3: replica ", v, " has no image in its samples ", c.first, "..", c.second - 1,
+      DHP_CHECK(any, "vision ", dist::strategy_name(vs.layout.strategy), ": replica ", v, " has no image in its samples ", c.first, "..", c.second - 1,
                 " of micro-batch ", micro_batch, "; every replica needs one");
     }
   }
@@ -361,10 +229,11 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
       break;
     }
     case Op::kTextForwardBackward: {
-      const auto tc = parallel::replica_chunk(n, text_->layout.dp, text_->coord.dp);
+      const auto& ts = decoder();
+      const auto tc = parallel::replica_chunk(n, ts.layout.dp, ts.coord.dp);
       auto out = model_->forward(qwen::to_device(data::collate(slice(tc), mc), device_), st.text_in);
       (out.loss_sum / global_targets).backward();
-      if (text_->coord.tp == 0) result.loss_sum += out.loss_sum.item<double>();
+      if (ts.coord.tp == 0) result.loss_sum += out.loss_sum.item<double>();
       break;
     }
     case Op::kSendGrads: {
@@ -394,55 +263,24 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
 }
 
 void ParallelModel::zero_grad() {
-  for (Module* m : {vision_.get(), text_.get()}) {
-    if (!m->member) continue;
-    if (m->zero1) m->zero1->zero_grad();
-    else m->adam->zero_grad();
-  }
+  for (auto& s : stages_)
+    if (s.strategy) s.strategy->zero_grad();
 }
 
 double ParallelModel::finish_step(double lr, double max_norm) {
   torch::NoGradGuard no_grad;
   double sq = 0;
-  for (Module* m : {vision_.get(), text_.get()}) {
-    if (!m->member) continue;
-    if (m->zero1) {  // reduce-scattered into the optimizer's slices: no full gradient is summed
-      m->zero1->reduce_gradients();
-      sq += m->zero1->grad_sq_norm();
-      memory_mark("gradients reduced");
-      continue;
-    }
-    if (!m->zero3 && m->pg.data.size() > 1) {
-      // Every member must reduce the same tensors: a parameter unused here is a zero gradient.
-      std::vector<torch::Tensor> ps;
-      for (auto& p : m->params) {
-        if (!p.param.grad().defined()) p.param.mutable_grad() = torch::zeros_like(p.param);
-        ps.push_back(p.param);
-      }
-      parallel::all_reduce_grads(ps, m->pg.data);
-      memory_mark("gradients reduced");
-    }
-    for (size_t i = 0; i < m->params.size(); ++i) {
-      const auto& g = m->params[i].param.grad();
-      if (m->in_norm[i] && g.defined()) sq += g.to(torch::kFloat32).pow(2).sum().item<double>();
-    }
-  }
+  for (auto& s : stages_)
+    if (s.strategy) sq += s.strategy->reduce_gradients();
   const double norm = std::sqrt(sum_over_job(sq));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
-    for (Module* m : {vision_.get(), text_.get()}) {
-      if (m->zero1) {
-        m->zero1->scale_gradients(scale);
-        continue;
-      }
-      for (auto& p : m->params)
-        if (p.param.grad().defined()) p.param.grad().mul_(scale);
-    }
+    for (auto& s : stages_)
+      if (s.strategy) s.strategy->scale_gradients(scale);
   }
-  for (Module* m : {vision_.get(), text_.get()}) {
-    if (!m->member) continue;
-    if (m->zero1) m->zero1->step(lr);
-    else m->adam->step(lr);
+  for (auto& s : stages_) {
+    if (!s.strategy) continue;
+    s.strategy->step(lr);
     memory_mark("optimizer step");
   }
   return norm;
@@ -450,7 +288,7 @@ double ParallelModel::finish_step(double lr, double max_norm) {
 
 torch::Tensor ParallelModel::forward_logits(const qwen::Batch& host_batch) {
   torch::NoGradGuard no_grad;
-  DHP_CHECK(layouts_.vision.dp == 1 && layouts_.text.dp == 1, "a forward of one sample runs each module as one ",
+  DHP_CHECK(layouts_.max_dp() == 1, "a forward of one sample runs each module as one ",
             "replica, but the layout (", describe(layouts_), ") has data-parallel replicas; set parallel.vision.dp=1 ",
             "and parallel.text.dp=1 (the strategy's own degree takes the ranks)");
   const auto& mc = cfg_.model.config;
@@ -458,77 +296,70 @@ torch::Tensor ParallelModel::forward_logits(const qwen::Batch& host_batch) {
   const auto options = torch::TensorOptions().dtype(dtype_).device(device_);
   const auto b = qwen::to_device(host_batch, device_);
   const int64_t rows = b.input_ids.eq(mc.image_token_id).sum().item<int64_t>();
-  const auto plan = parallel::plan_redistribute(layouts_.vision, layouts_.text, {rows});
+  const auto plan = parallel::plan_redistribute(layouts_.encoder(), layouts_.decoder(), {rows});
+  const auto& text = decoder();
   torch::Tensor vis;
-  if (vision_->member) {
+  if (encoder().member) {
     vis = model_->encode_images(b);
     if (!vis.defined()) vis = torch::zeros({0, hidden}, options);
     parallel::send_pieces(plan.forward, vis, job_, rt_.rank, /*tag=*/0);
   }
   torch::Tensor logits;
-  if (text_->member) {
+  if (text.member) {
     auto in = parallel::recv_pieces(plan.forward, vis, plan.text_rows.at(rt_.rank), hidden, options, job_, rt_.rank, 0);
     auto h = model_->hidden_at_targets(b, in).first;
     auto head = [this](const torch::Tensor& x) {
       return torch::matmul(x, model_->lm_head_weight().t()).to(torch::kFloat32);
     };
-    logits = text_->zero3 ? text_->zero3->run(model_->lm_head ? "lm_head" : "model.embed_tokens", head, h) : head(h);
-    logits = parallel::unshard(logits.contiguous(), parallel::TpShard{1, 1}, text_->pg.tp);  // vocabulary shards
+    logits = text.strategy->run_unit(model_->lm_head ? "lm_head" : "model.embed_tokens", head, h);
+    logits = parallel::unshard(logits.contiguous(), parallel::TpShard{1, 1}, text.pg.tp);  // vocabulary shards
   }
   // Rank 0 gets them from the text module's first rank when it is not a text rank.
-  const int64_t owner = text_->layout.ranks.front();
-  if (!text_->member && rt_.rank == 0) {
+  const int64_t owner = text.layout.ranks.front();
+  if (!text.member && rt_.rank == 0) {
     logits = torch::empty({b.input_ids.size(0), mc.text.vocab_size}, torch::kFloat32);
     job_.recv(logits, owner, /*tag=*/1);
-  } else if (rt_.rank == owner && text_->layout.module_rank(0) < 0) {
+  } else if (rt_.rank == owner && text.layout.module_rank(0) < 0) {
     job_.send(logits, 0, /*tag=*/1);
   }
   job_.wait_sends();
   return rt_.rank == 0 ? logits.unsqueeze(0).cpu() : torch::Tensor();
 }
 
+void ParallelModel::gather_full(Stage& s, std::map<std::string, torch::Tensor>& out) {
+  std::map<std::string, torch::Tensor> full;
+  if (s.member) full = s.strategy->full_parameters();
+  // Rank 0 gets a module it does not host from the module's first rank, in one message.
+  const int64_t owner = s.layout.ranks.front();
+  if (!s.member && rt_.rank == 0) {
+    int64_t numel = 0;
+    for (const auto& [name, shape] : full_shapes_)
+      if (s.target->owns(name)) numel += c10::multiply_integers(shape);
+    auto flat = torch::empty({numel}, torch::TensorOptions().dtype(dtype_));
+    job_.recv(flat, owner, /*tag=*/1 << 20);
+    int64_t at = 0;
+    for (const auto& [name, shape] : full_shapes_) {
+      if (!s.target->owns(name)) continue;
+      auto t = flat.narrow(0, at, c10::multiply_integers(shape)).view(shape).clone();
+      at += t.numel();
+      full[name] = t;
+    }
+  } else if (rt_.rank == owner && s.layout.module_rank(0) < 0) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& [name, t] : full) parts.push_back(t.reshape({-1}));  // map order = name order
+    job_.send(torch::cat(parts).to(dtype_), 0, /*tag=*/1 << 20);
+  }
+  for (auto& [k, v] : full) out[k] = v.cpu();  // the tensor itself when it is there
+}
+
 std::map<std::string, torch::Tensor> ParallelModel::full_parameters() {
   torch::NoGradGuard no_grad;
   std::map<std::string, torch::Tensor> out;
-  for (Module* m : {vision_.get(), text_.get()}) {
-    std::map<std::string, torch::Tensor> full;
-    if (m->member) {
-      if (m->zero3) {
-        full = m->zero3->full_parameters();
-      } else {
-        for (const auto& p : m->params) {
-          auto it = m->tp_map.find(p.name);
-          full[p.name] = it == m->tp_map.end() ? p.param.detach().clone()
-                                               : parallel::unshard(p.param.detach(), it->second, m->pg.tp);
-        }
-      }
-    }
-    // Rank 0 gets a module it does not host from the module's first rank, in one message.
-    const int64_t owner = m->layout.ranks.front();
-    const bool vis = m == vision_.get();
-    if (!m->member && rt_.rank == 0) {
-      int64_t numel = 0;
-      for (const auto& [name, shape] : full_shapes_)
-        if (is_vision(name) == vis) numel += c10::multiply_integers(shape);
-      auto flat = torch::empty({numel}, torch::TensorOptions().dtype(dtype_));
-      job_.recv(flat, owner, /*tag=*/1 << 20);
-      int64_t at = 0;
-      for (const auto& [name, shape] : full_shapes_) {
-        if (is_vision(name) != vis) continue;
-        auto t = flat.narrow(0, at, c10::multiply_integers(shape)).view(shape).clone();
-        at += t.numel();
-        full[name] = t;
-      }
-    } else if (rt_.rank == owner && m->layout.module_rank(0) < 0) {
-      std::vector<torch::Tensor> parts;
-      for (const auto& [name, t] : full) parts.push_back(t.reshape({-1}));  // map order = name order
-      job_.send(torch::cat(parts).to(dtype_), 0, /*tag=*/1 << 20);
-    }
-    for (auto& [k, v] : full) out[k] = v.cpu();  // the tensor itself when it is there
-  }
+  for (auto& s : stages_) gather_full(s, out);
   job_.wait_sends();
   return out;
 }
+
 double ParallelModel::sum_over_job(double x) const {
   if (rt_.world == 1) return x;
   auto t = torch::tensor({x}, torch::kFloat64);
@@ -572,73 +403,25 @@ std::vector<std::string> ParallelModel::all_gather_strings(const std::string& s)
 
 std::vector<CheckpointPiece> ParallelModel::checkpoint_pieces() {
   std::vector<CheckpointPiece> out;
-  for (Module* m : {vision_.get(), text_.get()}) {
-    if (!m->member) continue;
-    const int64_t tp_rank = m->pg.tp.rank(), tp_size = m->pg.tp.size();
-    const bool data_first = m->pg.data.rank() == 0;
-    int64_t flat_at = 0;  // ZeRO-1: where parameter i starts in the flat vector
-    for (size_t i = 0; i < m->params.size(); ++i) {
-      const auto& p = m->params[i];
-      const auto& shape = full_shapes_.at(p.name);
-      const auto it = m->tp_map.find(p.name);
-      const parallel::TpShard how = it == m->tp_map.end() ? parallel::TpShard{} : it->second;
-      const bool tp_unique = it != m->tp_map.end() || m->coord.tp == 0;  // one TP rank writes a replicated one
-      const bool fp32 = p.param.scalar_type() == torch::kFloat32;
-      auto add = [&](const char* kind, const torch::Tensor& data, int64_t begin, bool write) {
-        CheckpointPiece c;
-        c.name = std::string(kind) + "/" + p.name;
-        c.shape = shape;
-        c.tp = how;
-        c.tp_rank = tp_rank;
-        c.tp_size = tp_size;
-        c.begin = begin;
-        c.data = data;
-        c.write = write;
-        out.push_back(std::move(c));
-      };
-      if (m->zero3) {
-        // The shard holds elements [rank * chunk, +chunk) of the flattened parameter, padded.
-        const int64_t chunk = p.param.numel(), total = c10::multiply_integers(shape);
-        const int64_t lo = std::min(total, m->pg.dp.rank() * chunk), n = std::min(total, lo + chunk) - lo;
-        add("param", p.param.detach().narrow(0, 0, n), lo, true);
-        if (!m->adam) continue;
-        const auto& st = m->adam->state()[i];
-        if (!fp32) add("master", st.master.narrow(0, 0, n), lo, true);
-        add("exp_avg", st.exp_avg.narrow(0, 0, n), lo, true);
-        add("exp_avg_sq", st.exp_avg_sq.narrow(0, 0, n), lo, true);
-        continue;
-      }
-      add("param", p.param.detach().view({-1}), 0, data_first && tp_unique);
-      if (!m->adam && !m->zero1) continue;  // forward only
-      if (m->zero1) {
-        const auto& z = *m->zero1;
-        const int64_t numel = p.param.numel(), lo = z.slice_begin(), hi = lo + z.state_numel();
-        const int64_t b = std::max(flat_at, lo), e = std::min(flat_at + numel, hi);
-        flat_at += numel;
-        if (b >= e) continue;
-        // An fp32 model's masters equal its parameters: loaded, not saved.
-        add("master", z.master().narrow(0, b - lo, e - b), b - (flat_at - numel), tp_unique && !fp32);
-        add("exp_avg", z.exp_avg().narrow(0, b - lo, e - b), b - (flat_at - numel), tp_unique);
-        add("exp_avg_sq", z.exp_avg_sq().narrow(0, b - lo, e - b), b - (flat_at - numel), tp_unique);
-        continue;
-      }
-      const auto& st = m->adam->state()[i];
-      if (!fp32) add("master", st.master.view({-1}), 0, data_first && tp_unique);
-      add("exp_avg", st.exp_avg.view({-1}), 0, data_first && tp_unique);
-      add("exp_avg_sq", st.exp_avg_sq.view({-1}), 0, data_first && tp_unique);
-    }
+  for (auto& s : stages_) {
+    if (!s.strategy) continue;
+    auto pieces = s.strategy->checkpoint_pieces(full_shapes_);
+    std::move(pieces.begin(), pieces.end(), std::back_inserter(out));
   }
   return out;
 }
 
 void ParallelModel::set_optimizer_steps(int64_t n) {
-  for (Module* m : {vision_.get(), text_.get()}) {
-    if (!m->member || !rt_.optimizer) continue;
-    if (m->zero1) m->zero1->set_step_count(n);
-    else m->adam->set_step_count(n);
-  }
+  if (!rt_.optimizer) return;
+  for (auto& s : stages_)
+    if (s.strategy) s.strategy->set_step_count(n);
 }
 
-bool ParallelModel::plain() const { return rt_.world == 1 && !vision_->zero3 && !text_->zero3; }
+bool ParallelModel::plain() const {
+  if (rt_.world > 1) return false;
+  for (const auto& s : stages_)
+    if (s.strategy && !s.strategy->whole_parameters()) return false;
+  return true;
+}
 
 }  // namespace dhp::train

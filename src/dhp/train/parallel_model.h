@@ -1,9 +1,14 @@
 // ParallelModel: the Qwen2.5-VL model on this rank with each module's strategy applied,
 // and the step logic that makes every strategy and placement train like one process.
 //
+// The model is a list of module stages (qwen::module_names(): the vision encoder, then the
+// text decoder), each with its layout, its process groups and its strategy object
+// (parallel/strategy.h); the lifecycle calls (zero_grad, gradient reduction and norm,
+// clipping, optimizer steps, full parameters, checkpoint pieces) loop over the stages and
+// never ask which strategy a stage has.
 // Placement: each module runs on its own global ranks (parallel.vision.ranks /
 // parallel.text.ranks; every rank by default): colocated, disjoint or overlapping. A rank
-// builds, parallelizes and optimizes only the modules it hosts; the other module's
+// builds, parallelizes and optimizes only the modules it hosts; the other modules'
 // parameters are released.
 // A step runs the rank's schedule (schedule.h) over the global micro-batches (the same
 // list of samples on every rank). Each module's data-parallel replicas take contiguous
@@ -13,10 +18,10 @@
 // ranks (point-to-point, nothing moved where they already are) and the gradients back;
 // text replica t runs the decoder on its chunk, its loss divided by the number of target
 // tokens of the whole global batch, so summed gradients are the global mean's.
-// finish_step(): gradients of replicated parameters are summed over each module's data
-// group (sp x dp), the global gradient norm is computed once over unique elements across
-// both modules and every rank, gradients are clipped, and each module's optimizer steps
-// (AdamW, ZeRO-1 sharded AdamW, or AdamW over ZeRO-3 slices).
+// finish_step(): each stage's strategy reduces its gradients (summed over the module's data
+// group, sp x dp, or reduce-scattered) and gives its share of the squared norm; the global
+// gradient norm is their sum over every rank, gradients are clipped, and each strategy
+// steps its optimizer (AdamW, ZeRO-1 sharded AdamW, or AdamW over ZeRO-3 slices).
 #pragma once
 
 #include <chrono>
@@ -25,28 +30,27 @@
 #include <string>
 #include <vector>
 
-#include "dhp/data/shapes.h"
-#include "dhp/dist/layout.h"
+#include "dhp/data/sample.h"
 #include "dhp/dist/process_groups.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 #include "dhp/train/checkpoint.h"
 #include "dhp/train/config.h"
-#include "dhp/train/optim.h"
+#include "dhp/train/layouts.h"
+#include "dhp/optim/adamw.h"
+#include "dhp/parallel/strategy.h"
 #include "dhp/train/schedule.h"
 
 namespace dhp::train {
 
-struct Layouts {
-  dist::ModuleLayout vision, text;
+// Failures a test asks a job to suffer, passed in explicitly (dhp train --inject-fault);
+// -1 = none. Kills happen only in a job's first attempt (Runtime::restart == 0), so that
+// the restarted job can finish.
+struct FaultInjection {
+  int64_t fail_rank = -1, fail_step = -1;  // that rank throws before that step (1-based)
+  int64_t kill_rank = -1, kill_step = -1;  // that rank SIGKILLs itself before that step
+  int64_t kill_in_save_step = -1;          // rank 0 SIGKILLs itself while saving that step's
+                                           // checkpoint, after the rank files, before the commit
 };
-
-// The vision and text layouts of `cfg` on `world` ranks, validated (strategy names, rank
-// lists inside the world and covering it, degrees that multiply to each module's ranks,
-// heads / kv heads / vocabulary / MLP widths divisible, enough attention windows per
-// micro-batch for sp). Throws dhp::Error naming the parallel.* keys and the numbers.
-Layouts resolve_layouts(const Config& cfg, int64_t world);
-// One line, e.g. "vision sp sp=4 zero=1 | text tp tp=2 dp=2" (each module's ranks added when they differ).
-std::string describe(const Layouts& l);
 
 // Where this process sits in the job.
 struct Runtime {
@@ -55,6 +59,8 @@ struct Runtime {
   std::shared_ptr<dist::Store> store;  // required when world > 1
   std::chrono::milliseconds timeout{300000};
   bool optimizer = true;               // false: forward only (no optimizer state is allocated)
+  int64_t restart = 0;                 // restarts of the job so far (the launcher's count)
+  FaultInjection faults;               // tests only; none by default
 };
 
 // The device of training.device for this process: cpu, or a CUDA device that this libtorch
@@ -65,7 +71,6 @@ torch::Device resolve_device(const Config& cfg, const Runtime& rt);
 // Builds the model for a config: presets, init from the seed, model.from's weights (unless
 // `load_from` is false), precision, checkpointing.
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from = true);
-std::vector<NamedParam> named_params(qwen::Qwen2_5_VLImpl& model);
 
 class ParallelModel {
  public:
@@ -89,6 +94,8 @@ class ParallelModel {
   torch::Tensor forward_logits(const qwen::Batch& batch);
   // Does this rank's vision replica encode sample i of a micro-batch of n (needs its pixels)?
   bool encodes(int64_t i, int64_t n) const;
+  // What module `name`'s strategy holds on this rank ({0, 0} where it does not run).
+  parallel::HeldElements held(const std::string& name) const;
   // Gradient sums, global-norm clipping (max_norm 0 = off), optimizer steps. Returns the
   // global gradient norm before clipping (equal on every rank).
   double finish_step(double lr, double max_norm);
@@ -100,8 +107,6 @@ class ParallelModel {
   std::map<std::string, torch::Tensor> full_parameters();
   // This rank's schedule for a step of `micro_batches`.
   std::vector<Action> schedule(int64_t micro_batches) const;
-  bool hosts_vision() const;
-  bool hosts_text() const;
   // Sum / max of one number over every rank of the job.
   double sum_over_job(double x) const;
   double max_over_job(double x) const;
@@ -125,13 +130,19 @@ class ParallelModel {
   const torch::Device& device() const { return device_; }  // where the model and the batches live
 
  private:
-  struct Module;
+  struct Stage;
   struct MicroBatchState;
+  Stage& encoder();  // vision: feeds the decoder
+  Stage& decoder();  // text: takes the rows, computes the loss
+  const Stage& encoder() const;
+  const Stage& decoder() const;
   // This rank's vision replica's embedding rows of micro-batch `mb` (0 rows without images).
   torch::Tensor encode_vision_chunk(std::vector<data::Sample>& mb, int64_t micro_batch);
   void run_action(const Action& a, std::vector<std::vector<data::Sample>>& micro, double global_targets,
                   std::vector<MicroBatchState>& state, StepResult& result);
-  void release_parameters(bool vision);  // frees the parameters of a module this rank does not host
+  void release_parameters(const parallel::ModuleTarget& target);  // frees a module this rank does not host
+  // Every parameter of one stage in full on rank 0 and on the stage's ranks (collective).
+  void gather_full(Stage& s, std::map<std::string, torch::Tensor>& out);
   // model.from: this rank's slices of every parameter (and master) from an HF directory.
   void load_from(const std::string& dir);
 
@@ -140,7 +151,7 @@ class ParallelModel {
   Runtime rt_;
   qwen::Qwen2_5_VL model_{nullptr};
   dist::Group job_;
-  std::unique_ptr<Module> vision_, text_;
+  std::vector<Stage> stages_;  // the model's modules in order (Layouts::modules)
   // Name -> shape of every parameter, kept for those released on this rank.
   std::map<std::string, std::vector<int64_t>> full_shapes_;
   torch::Dtype dtype_ = torch::kFloat32;  // the model's parameter (and activation) dtype

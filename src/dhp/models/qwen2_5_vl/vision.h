@@ -13,11 +13,10 @@
 #include <vector>
 
 #include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/models/qwen2_5_vl/windows.h"
 #include "dhp/nn/layers.h"
 
 namespace dhp::qwen {
-
-using GridTHW = std::array<int64_t, 3>;  // (t, h, w) in patches
 
 // Host-side geometry of one packed batch of images, computed once per batch. All indices
 // refer to the packed patch sequence in the processor's order (merge-window order: each
@@ -34,10 +33,6 @@ struct VisionPlan {
   torch::Tensor pos_ids;
 };
 
-// Qwen's window index: windows of (window_size / merge / patch)^2 merged units, per image,
-// row-major over windows, padding excluded. Throws dhp::Error on a grid not divisible by merge.
-void window_index(const std::vector<GridTHW>& grids, const VisionConfig& cfg,
-                  std::vector<int64_t>& index, std::vector<int64_t>& cu_window_seqlens);
 // (h, w) coordinates of every patch in processor (merge-window) order, (N, 2) int64.
 torch::Tensor vision_pos_ids(const std::vector<GridTHW>& grids, int64_t merge);
 VisionPlan make_vision_plan(const std::vector<GridTHW>& grids, const VisionConfig& cfg);

@@ -1,5 +1,6 @@
-// AdamW with decoupled weight decay and fp32 master weights, the learning-rate schedule,
-// and gradient clipping by global norm. Local (no communication); not thread-safe.
+// AdamW with decoupled weight decay and fp32 master weights, and the learning-rate
+// schedule. Local (no communication); not thread-safe. The distributed optimizers build on
+// it (parallel/zero.h slices its state, parallel/strategy.h picks one per module).
 #pragma once
 
 #include <torch/types.h>
@@ -7,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace dhp::train {
+namespace dhp::optim {
 
 struct AdamWOptions {
   double beta1 = 0.9;
@@ -52,9 +53,4 @@ class AdamW {
 // `total` steps. `step` counts from 0.
 double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_lr);
 
-// Global L2 norm of all gradients (fp32 accumulation).
-double grad_norm(const std::vector<NamedParam>& params);
-// Scales gradients so their global norm is at most max_norm; returns the norm before.
-double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm);
-
-}  // namespace dhp::train
+}  // namespace dhp::optim

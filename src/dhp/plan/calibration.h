@@ -1,6 +1,6 @@
-// The `local` cluster: this machine's figures measured by short microbenchmarks (GEMM
-// FLOP/s, memory bandwidth, Gloo collectives over loopback), saved to a JSON file and
-// reused by the planner.
+// The `local` cluster's file: this machine's figures as measured by the calibration
+// microbenchmarks (bench/calibrate.h: GEMM FLOP/s, memory bandwidth, Gloo collectives over
+// loopback), saved to a JSON file and reused by the planner. Pure file reading and writing.
 #pragma once
 
 #include <string>
@@ -12,17 +12,6 @@ namespace dhp::plan {
 // Where the calibration for `ranks` ranks lives: $DHP_CALIBRATION_DIR (default runs/plan)
 // /local-x<ranks>.json.
 std::string default_calibration_path(int64_t ranks);
-
-struct CalibrateOptions {
-  std::string out;        // file to write (empty: default_calibration_path(ranks))
-  int64_t ranks = 2;      // ranks for the collective measurements (threads, loopback)
-  int64_t threads = 1;    // intra-op threads per rank (the trainer gives each rank cores / ranks)
-  std::string precision = "bf16";  // dtype of the element-wise measurement (the training's)
-  bool quiet = false;
-};
-
-// Runs the microbenchmarks (about a minute), writes the file, returns the cluster.
-Cluster calibrate_local(const CalibrateOptions& o);
 
 // Reads a calibration file. Throws naming the file and what to run when it is missing or
 // malformed.

@@ -1,10 +1,10 @@
-#include "dhp/train/optim.h"
+#include "dhp/optim/adamw.h"
 
 #include <torch/torch.h>
 
 #include <cmath>
 
-namespace dhp::train {
+namespace dhp::optim {
 
 AdamW::AdamW(std::vector<NamedParam> params, AdamWOptions options)
     : params_(std::move(params)), options_(options) {
@@ -50,25 +50,4 @@ double lr_at(int64_t step, int64_t total, int64_t warmup, double lr, double min_
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * t));
 }
 
-double grad_norm(const std::vector<NamedParam>& params) {
-  torch::NoGradGuard no_grad;
-  double sq = 0;
-  for (const auto& p : params) {
-    if (p.param.grad().defined()) sq += p.param.grad().to(torch::kFloat32).pow(2).sum().item<double>();
-  }
-  return std::sqrt(sq);
-}
-
-double clip_grad_norm(const std::vector<NamedParam>& params, double max_norm) {
-  const double norm = grad_norm(params);
-  if (max_norm > 0 && norm > max_norm) {
-    torch::NoGradGuard no_grad;
-    const double scale = max_norm / (norm + 1e-6);
-    for (const auto& p : params) {
-      if (p.param.grad().defined()) p.param.grad().mul_(scale);
-    }
-  }
-  return norm;
-}
-
-}  // namespace dhp::train
+}  // namespace dhp::optim

@@ -1,0 +1,154 @@
+// `dhp train`: one training job, as its launcher (--nproc N starts the workers) or as one of
+// its ranks; parallel.strategy=auto is chosen here, once per job.
+#include <torch/torch.h>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dhp/bench/bench.h"
+#include "dhp/bench/calibrate.h"
+#include "dhp/core/log.h"
+#include "dhp/core/memory.h"
+#include "dhp/train/auto_plan.h"
+#include "dhp/train/checkpoint.h"
+#include "dhp/train/config.h"
+#include "dhp/train/trainer.h"
+#include "cli.h"
+#include "launch.h"
+
+namespace dhp::cli {
+namespace {
+
+// --inject-fault values: fail:RANK:STEP, kill:RANK:STEP, kill-in-save:STEP.
+train::FaultInjection parse_faults(const std::vector<std::string>& specs) {
+  train::FaultInjection f;
+  for (const auto& spec : specs) {
+    long long r = -1, s = -1;
+    if (std::sscanf(spec.c_str(), "fail:%lld:%lld", &r, &s) == 2 && r >= 0 && s >= 1) {
+      f.fail_rank = r;
+      f.fail_step = s;
+    } else if (std::sscanf(spec.c_str(), "kill:%lld:%lld", &r, &s) == 2 && r >= 0 && s >= 1) {
+      f.kill_rank = r;
+      f.kill_step = s;
+    } else if (std::sscanf(spec.c_str(), "kill-in-save:%lld", &s) == 1 && s >= 1) {
+      f.kill_in_save_step = s;
+    } else {
+      DHP_FAIL("--inject-fault '", spec, "' is not fail:RANK:STEP, kill:RANK:STEP or kill-in-save:STEP");
+    }
+  }
+  return f;
+}
+
+}  // namespace
+
+int cmd_train(int argc, char** argv, int first) {
+  auto a = parse(argc, argv, first,
+                 {"--config", "--set", "--out", "--nproc", "--print-schedule", "--resume", "--max-restarts",
+                  "--inject-fault"});
+  if (a.help) {
+    std::printf(
+        "usage: dhp train [--config FILE] [--set KEY=VALUE]... [--out DIR] [--nproc N] [--resume]\n"
+        "                 [--max-restarts K] [--print-schedule]\n\n"
+        "Trains the configured model (default: the demo preset on the built-in shapes task),\n"
+        "showing step, loss, tokens/s, ETA and peak memory, then evaluates held-out answers.\n"
+        "Writes DIR/metrics.jsonl (one JSON object per step: step, loss, lr, grad_norm,\n"
+        "tokens_per_s, peak_bytes, ...), DIR/config.yaml (the resolved config) and\n"
+        "DIR/summary.json (first/final loss, held-out exact-match accuracy), and checkpoints\n"
+        "(checkpoint.*: every K steps and at the end, into DIR/checkpoints/step-N; the newest 3 kept).\n\n"
+        "options:\n%s  --out DIR         run directory (default: output.dir = runs/demo)\n"
+        "  --nproc N         start N local worker processes (ranks 0..N-1, rendezvous on a free\n"
+        "                    port of 127.0.0.1) and supervise them; one failing stops all\n"
+        "  --resume          continue from the newest complete checkpoint (checkpoint.resume=auto;\n"
+        "                    a damaged one is reported and the previous one used; none: from step 0).\n"
+        "                    Any layout or number of ranks loads any checkpoint\n"
+        "  --max-restarts K  when a worker dies, stop the others and restart the whole job from the\n"
+        "                    newest complete checkpoint, up to K times (default 0)\n"
+        "  --print-schedule  print each rank's layout and the actions of one step (VF vision\n"
+        "                    forward, SA/RA send/receive embeddings, TFB text forward+backward,\n"
+        "                    SG/RG send/receive their gradients, VB vision backward) and exit\n"
+        "  --inject-fault F  for tests of failure handling (repeatable): fail:RANK:STEP (that rank\n"
+        "                    throws before that step), kill:RANK:STEP (it SIGKILLs itself, first\n"
+        "                    attempt only), kill-in-save:STEP (rank 0 SIGKILLs itself while saving\n"
+        "                    that step's checkpoint, before the commit; first attempt only)\n\n"
+        "Started by torchrun (--no-python), srun or mpirun, dhp reads RANK/WORLD_SIZE (or\n"
+        "SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/SIZE) and MASTER_ADDR/MASTER_PORT\n"
+        "and runs as one rank of that job. parallel.strategy chooses the layout (dhp, tp,\n"
+        "zero3, dp, custom); 'dhp config' lists every key with its default.\n",
+        kConfigFlags);
+    return 0;
+  }
+  if (!a.out.empty()) a.sets.push_back("output.dir=" + a.out);
+  if (a.resume) a.sets.push_back("checkpoint.resume=auto");
+  auto cfg = dhp::load_config(a.config, a.sets);
+  const auto env = dhp::launch::worker_env();
+  const int64_t world = env ? env->world : a.nproc;
+  if (!env) DHP_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
+  std::vector<std::string> worker_argv(argv, argv + argc);
+  if (dhp::parse_combination(cfg.parallel.strategy) == dhp::Combination::kAuto) {
+    // Chosen here, once per job: the launcher pins its choice for the workers it starts
+    // (ranks started by torchrun, srun or mpirun each choose, deterministically).
+    if (!env && !a.print_schedule && world > 1 && !std::filesystem::exists(dhp::train::auto_calibration_path(world))) {
+      dhp::log_info("parallel.strategy=auto: no calibration of this machine as " + std::to_string(world) +
+                    " ranks yet; measuring it once (dhp plan --calibrate --ranks " + std::to_string(world) + ")");
+      dhp::bench::CalibrateOptions co;
+      co.ranks = world;
+      dhp::bench::calibrate_local(co);
+    }
+    std::string why;
+    cfg = dhp::train::resolve_auto(cfg, world, &why);
+    if (!env || env->rank == 0) dhp::log_info(why);
+    for (const auto& kv : dhp::train::pinned_parallel_sets(cfg)) {
+      worker_argv.push_back("--set");
+      worker_argv.push_back(kv);
+    }
+  }
+  const auto layouts = dhp::train::resolve_layouts(cfg, world);  // refuse an impossible layout before any worker starts
+  if (a.print_schedule) {
+    const auto& enc = layouts.encoder();
+    const auto& dec = layouts.decoder();
+    std::printf("%lld rank(s): %s; %lld micro-batch(es) per step, %s\n", static_cast<long long>(world),
+                dhp::train::describe(layouts).c_str(), static_cast<long long>(cfg.training.micro_batches),
+                cfg.parallel.pipeline && dhp::train::disjoint(enc, dec) ? "pipelined" : "sequential");
+    for (int64_t r = 0; r < world; ++r) {
+      std::string hosts;
+      for (const auto& m : layouts.modules) {
+        if (m.module_rank(r) >= 0) hosts += (hosts.empty() ? "" : "+") + m.name;
+      }
+      std::printf("rank %lld [%s]: %s\n", static_cast<long long>(r), hosts.c_str(),
+                  dhp::train::to_string(
+                      dhp::train::make_schedule(enc, dec, r, cfg.training.micro_batches, cfg.parallel.pipeline))
+                      .c_str());
+    }
+    return 0;
+  }
+  if (!env) {
+    if (a.nproc > 1 || a.max_restarts > 0) return dhp::launch::run_workers(a.nproc, worker_argv, a.max_restarts);
+  } else {
+    DHP_CHECK(a.nproc == 1 || a.nproc == env->world, "--nproc ", a.nproc, " but the ", env->launcher,
+              " environment says WORLD_SIZE=", env->world);
+  }
+  auto rt = worker_runtime(env, cfg.parallel.timeout_s);
+  rt.faults = parse_faults(a.faults);
+  // The trainer (and its connections) outlives the handler, so a failing rank records its
+  // error before the others see their connections close and fail in turn.
+  std::unique_ptr<dhp::train::Trainer> trainer;
+  try {
+    trainer = std::make_unique<dhp::train::Trainer>(cfg, rt);
+    trainer->run();
+  } catch (const std::exception& e) {
+    dhp::launch::report_worker_error(e.what());
+    throw;
+  }
+  return 0;
+}
+
+}  // namespace dhp::cli

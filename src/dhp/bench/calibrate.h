@@ -1,0 +1,24 @@
+// Calibration of the `local` cluster: short microbenchmarks of this machine (GEMM FLOP/s,
+// memory bandwidth, Gloo collectives over loopback, dhp's attention and ZeRO-3 units,
+// the optimizer update), saved where the planner reads them (plan/calibration.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dhp/plan/calibration.h"
+
+namespace dhp::bench {
+
+struct CalibrateOptions {
+  std::string out;        // file to write (empty: plan::default_calibration_path(ranks))
+  int64_t ranks = 2;      // ranks for the collective measurements (threads, loopback)
+  int64_t threads = 1;    // intra-op threads per rank (the trainer gives each rank cores / ranks)
+  std::string precision = "bf16";  // dtype of the element-wise measurement (the training's)
+  bool quiet = false;
+};
+
+// Runs the microbenchmarks (about a minute), writes the file, returns the cluster.
+plan::Cluster calibrate_local(const CalibrateOptions& o);
+
+}  // namespace dhp::bench

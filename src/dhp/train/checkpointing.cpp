@@ -1,0 +1,166 @@
+#include "dhp/train/checkpointing.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <mutex>
+
+#include "dhp/core/log.h"
+#include "dhp/core/machine.h"
+#include "dhp/io/checkpoint_store.h"
+#include "dhp/io/json.h"
+#include "dhp/train/checkpoint.h"
+
+namespace dhp::train {
+
+std::string save_checkpoint(ParallelModel& model, const Config& cfg, int64_t step, int64_t samples_seen) {
+  const Runtime& rt = model.runtime();
+  const bool main = rt.rank == 0;
+  namespace fs = std::filesystem;
+  Timer timer;
+  const fs::path root(checkpoint_root(cfg));
+  const std::string name = "step-" + std::to_string(step);
+  const fs::path tmp = root / ("." + name + ".tmp"), final_dir = root / name;
+  std::string error;
+  if (main) {
+    try {
+      fs::remove_all(tmp);
+      fs::create_directories(tmp);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  error = model.all_gather_strings(error)[0];
+  DHP_CHECK(error.empty(), "checkpoint ", final_dir.string(), " not written: ", error);
+  // Every rank writes its pieces; the records (or the error) travel to rank 0.
+  std::string record;
+  int64_t bytes = 0;
+  try {
+    char file[32];
+    std::snprintf(file, sizeof(file), "rank-%05lld.safetensors", static_cast<long long>(rt.rank));
+    io::SliceWriter w(file);
+    const auto pieces = model.checkpoint_pieces();
+    add_pieces(w, pieces);
+    for (const auto& p : pieces)
+      if (p.write) bytes += p.data.numel() * p.data.element_size();
+    if (main) {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      torch::Tensor rng;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        rng = gen.get_state();
+      }
+      w.add("rng/cpu", {rng.numel()}, {0}, rng);
+    }
+    record = "+" + w.write(tmp.string());
+  } catch (const std::exception& e) {
+    record = "!rank " + std::to_string(rt.rank) + ": " + e.what();
+  }
+  const auto records = model.all_gather_strings(record);
+  if (main && rt.restart == 0 && step == rt.faults.kill_in_save_step) ::raise(SIGKILL);
+  bytes = static_cast<int64_t>(model.sum_over_job(static_cast<double>(bytes)));
+  if (main) {
+    std::vector<std::string> ok;
+    for (const auto& r : records) {
+      if (r[0] == '!' && error.empty()) error = r.substr(1);
+      ok.push_back(r.substr(1));
+    }
+    try {
+      if (!error.empty()) DHP_FAIL(error);
+      io::Json meta = io::Json::object();
+      meta.set("samples_seen", io::Json(samples_seen));  // the data stream's next position
+      meta.set("batch_size", io::Json(cfg.data.batch_size));
+      meta.set("world", io::Json(rt.world));
+      meta.set("layout", io::Json(describe(model.layouts())));
+      meta.set("precision", io::Json(cfg.training.precision));
+      meta.set("dhp_version", io::Json(std::string(DHP_VERSION)));
+      Config resolved = cfg;  // to_yaml visits (non-const)
+      meta.set("config", io::Json(to_yaml(resolved)));
+      io::commit_checkpoint(tmp.string(), final_dir.string(), step, meta, ok);
+      io::prune_checkpoints(root.string(), cfg.checkpoint.keep);
+    } catch (const std::exception& e) {
+      error = e.what();
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+  }
+  error = model.all_gather_strings(error)[0];  // rank 0's verdict
+  DHP_CHECK(error.empty(), "checkpoint ", final_dir.string(), " not written (earlier ones are kept): ", error);
+  if (main) {
+    const double s = timer.seconds();
+    char line[160];
+    std::snprintf(line, sizeof(line), " (%.1f MB in %.2f s, %.0f MB/s)", static_cast<double>(bytes) / 1e6, s,
+                  static_cast<double>(bytes) / 1e6 / std::max(s, 1e-9));
+    log_info("saved checkpoint " + final_dir.string() + line);
+  }
+  return final_dir.string();
+}
+
+Restored load_checkpoint(ParallelModel& model, const std::string& dir) {
+  io::CheckpointReader r(dir);
+  load_pieces(checkpoint_source(r), model.checkpoint_pieces());
+  const auto& meta = r.manifest().meta;
+  const std::string what = dir + "/manifest.json meta";
+  Restored out;
+  out.step = r.manifest().step;
+  out.samples_seen = meta.at("samples_seen", what).integer(what + " samples_seen");
+  model.set_optimizer_steps(out.step);
+  if (r.has("rng/cpu")) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(r.read_full("rng/cpu"));
+  }
+  return out;
+}
+
+std::optional<Restored> resume(ParallelModel& model, const Config& cfg) {
+  const Runtime& rt = model.runtime();
+  const bool main = rt.rank == 0;
+  namespace fs = std::filesystem;
+  const auto& how = cfg.checkpoint.resume;
+  if (how.empty()) return std::nullopt;
+  const std::string root = checkpoint_root(cfg);
+  std::vector<std::string> dirs;
+  if (how == "auto") {
+    // Rank 0's listing decides, so every rank tries the same checkpoints.
+    std::string list;
+    if (main)
+      for (const auto& c : io::list_checkpoints(root)) list += c.second + "\n";
+    list = model.all_gather_strings(list)[0];
+    for (size_t a = 0, b; (b = list.find('\n', a)) != std::string::npos; a = b + 1) dirs.push_back(list.substr(a, b - a));
+    if (dirs.empty()) {
+      if (main) log_info("checkpoint.resume=auto: no checkpoint under " + root + "; starting from step 0");
+      return std::nullopt;
+    }
+  } else {
+    dirs.push_back(how);
+  }
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    std::string error;
+    Restored restored;
+    try {
+      restored = load_checkpoint(model, dirs[i]);
+    } catch (const std::exception& e) {
+      error = "rank " + std::to_string(rt.rank) + ": " + e.what();
+    }
+    std::string first;
+    for (const auto& e : model.all_gather_strings(error))
+      if (first.empty()) first = e;
+    if (first.empty()) {
+      if (main) log_info("resumed from " + dirs[i] + " at step " + std::to_string(restored.step));
+      return restored;
+    }
+    DHP_CHECK(how == "auto", "cannot resume from checkpoint.resume=", how, ": ", first);
+    if (i + 1 == dirs.size()) {
+      DHP_FAIL("checkpoint.resume=auto: no usable checkpoint under ", root, "; the oldest, ", dirs[i], ", failed with: ",
+               first);
+    }
+    if (main) log_warn("checkpoint " + dirs[i] + " is unusable (" + first + "); falling back to " + dirs[i + 1]);
+  }
+  return std::nullopt;
+}
+
+}  // namespace dhp::train
