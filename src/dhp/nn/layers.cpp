@@ -4,6 +4,20 @@
 
 namespace dhp::nn {
 
+EmbeddingImpl::EmbeddingImpl(int64_t num, int64_t dim) {
+  weight = register_parameter("weight", torch::empty({num, dim}));
+  torch::nn::init::normal_(weight);
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& ids) { return torch::embedding(weight, ids); }
+
+torch::Tensor CrossEntropyHeadImpl::forward(const torch::Tensor& h, const torch::Tensor& targets,
+                                            const torch::Tensor& weight) {
+  auto logits = torch::matmul(h, weight.t()).to(torch::kFloat32);
+  return torch::nn::functional::cross_entropy(
+      logits, targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }

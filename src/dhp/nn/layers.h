@@ -1,4 +1,6 @@
-// Plain layers with no communication: RMSNorm, SwiGLU MLP, rotary helpers.
+// Plain layers with no communication: Linear, Embedding, the cross-entropy head, RMSNorm,
+// SwiGLU MLP, rotary helpers. Linear, Embedding and CrossEntropyHead have virtual forwards:
+// the parallel strategies replace them by name with subclasses holding shards.
 // Submodule names follow Hugging Face (gate_proj, up_proj, down_proj, weight) so that
 // parameter names are checkpoint keys.
 #pragma once
@@ -27,6 +29,32 @@ class LinearImpl : public torch::nn::Module {
 TORCH_MODULE(Linear);
 
 Linear make_linear(int64_t in, int64_t out, bool bias);
+
+// Token embedding: ids (...) int64 -> (..., dim), parameter "weight" (num, dim), as
+// torch::nn::Embedding (initialised like it, N(0, 1) from the global RNG; models
+// re-initialise), with a virtual forward (vocabulary-parallel shards replace it).
+class EmbeddingImpl : public torch::nn::Module {
+ public:
+  EmbeddingImpl(int64_t num, int64_t dim);
+  virtual ~EmbeddingImpl() = default;
+  virtual torch::Tensor forward(const torch::Tensor& ids);
+  torch::Tensor weight;
+
+ protected:
+  EmbeddingImpl() = default;  // for subclasses that register their own shard
+};
+TORCH_MODULE(Embedding);
+
+// The language-model loss: hidden states h (n, C) at the target positions, targets (n) and
+// the output projection's weight (vocab, C) -> the summed cross-entropy () in fp32 over the
+// full logits (h W^T). No parameters of its own (the weight is lm_head's, or the tied
+// embedding's); a vocabulary-parallel subclass replaces it.
+class CrossEntropyHeadImpl : public torch::nn::Module {
+ public:
+  virtual ~CrossEntropyHeadImpl() = default;
+  virtual torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& targets, const torch::Tensor& weight);
+};
+TORCH_MODULE(CrossEntropyHead);
 
 // y = weight * (x / sqrt(mean(x^2) + eps)); the normalisation runs in fp32 and is cast back
 // to x's dtype before the weight multiply (as Hugging Face's Qwen2RMSNorm).

@@ -37,15 +37,6 @@ torch::Tensor gather_rows(const torch::Tensor& x, const dist::Group& g, const st
   return g.size() == 1 ? x : GatherRows::apply(x.contiguous(), g, rows);
 }
 
-std::vector<int64_t> local_segments(const std::vector<int64_t>& cu, int64_t lo, int64_t hi) {
-  std::vector<int64_t> out;
-  for (auto c : cu) {
-    if (c >= lo && c <= hi) out.push_back(c - lo);
-  }
-  TORCH_INTERNAL_ASSERT(out.size() >= 2 && out.front() == 0 && out.back() == hi - lo);
-  return out;
-}
-
 std::vector<int64_t> window_shards(const std::vector<int64_t>& cu, int64_t sp) {
   const int64_t windows = static_cast<int64_t>(cu.size()) - 1;
   DHP_CHECK(windows >= sp, "vision sp=", sp, " needs at least one attention window per rank, but the batch has ",

@@ -1,6 +1,6 @@
 // Sequence parallelism's pieces that know no model: splitting a window-ordered sequence
-// across ranks on segment boundaries (ragged shards, balanced by rows), the segments of one
-// shard, and gathering the ranks' rows back (an autograd function). The Qwen2.5-VL tower's
+// across ranks on segment boundaries (ragged shards, balanced by rows), and gathering the
+// ranks' rows back (an autograd function). The Qwen2.5-VL tower's
 // use of them is in models/qwen2_5_vl/parallelize.h.
 #pragma once
 
@@ -17,9 +17,6 @@ namespace dhp::parallel {
 // boundary not past (r+1)/sp of the rows (at least one segment each). Throws dhp::Error
 // when there are fewer segments than ranks.
 std::vector<int64_t> window_shards(const std::vector<int64_t>& cu_window_seqlens, int64_t sp);
-
-// Segment offsets `cu` restricted to rows [lo, hi) (both on boundaries), shifted to start at 0.
-std::vector<int64_t> local_segments(const std::vector<int64_t>& cu, int64_t lo, int64_t hi);
 
 // (n_local, C) [ragged shards in rank order] -> (sum n, C) on every rank.
 // forward: all-gather-v; backward: this rank's rows of the gradient.

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "dhp/parallel/mappings.h"
+#include "dhp/parallel/tensor_parallel.h"
 
 namespace dhp::parallel {
 namespace {
@@ -57,6 +58,26 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Te
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets,
                                            int64_t vocab_start, const dist::Group& g) {
   return VocabParallelCE::apply(logits, targets, vocab_start, g);
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const nn::EmbeddingImpl& full, dist::Group g)
+    : group(std::move(g)) {
+  vocab_start = group.rank() * (full.weight.size(0) / group.size());
+  torch::NoGradGuard no_grad;
+  weight = register_parameter("weight", shard_of(full.weight.detach(), 0, group, "vocab-parallel embed_tokens"));
+}
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {
+  return vocab_parallel_embedding(ids, weight, vocab_start, group);
+}
+
+VocabParallelCrossEntropyHeadImpl::VocabParallelCrossEntropyHeadImpl(dist::Group g, int64_t start)
+    : group(std::move(g)), vocab_start(start) {}
+
+torch::Tensor VocabParallelCrossEntropyHeadImpl::forward(const torch::Tensor& h, const torch::Tensor& targets,
+                                                         const torch::Tensor& weight) {
+  auto logits = torch::matmul(copy_to_group(h, group), weight.t());  // (n, V/tp) [sharded]
+  return vocab_parallel_cross_entropy(logits, targets, vocab_start, group).sum();
 }
 
 }  // namespace dhp::parallel

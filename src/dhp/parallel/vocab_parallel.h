@@ -6,6 +6,7 @@
 #include <torch/types.h>
 
 #include "dhp/dist/comm.h"
+#include "dhp/nn/layers.h"
 
 namespace dhp::parallel {
 
@@ -20,5 +21,25 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Te
 // (all-reduces of n numbers), never the full logits.
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits_shard, const torch::Tensor& targets,
                                            int64_t vocab_start, const dist::Group& group);
+
+// The embedding of a model cut to this rank's vocabulary rows [vocab_start, +V/tp) of the
+// full one (parameter "weight", the shard); forward: vocab_parallel_embedding.
+class VocabParallelEmbeddingImpl : public nn::EmbeddingImpl {
+ public:
+  VocabParallelEmbeddingImpl(const nn::EmbeddingImpl& full, dist::Group group);
+  torch::Tensor forward(const torch::Tensor& ids) override;
+  dist::Group group;
+  int64_t vocab_start = 0;
+};
+
+// The loss head over a vocabulary-sharded output weight (rows [vocab_start, +V/tp)):
+// logits shard = copy_to(h) W_shard^T, then vocab_parallel_cross_entropy, summed.
+class VocabParallelCrossEntropyHeadImpl : public nn::CrossEntropyHeadImpl {
+ public:
+  VocabParallelCrossEntropyHeadImpl(dist::Group group, int64_t vocab_start);
+  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& targets, const torch::Tensor& weight) override;
+  dist::Group group;
+  int64_t vocab_start = 0;
+};
 
 }  // namespace dhp::parallel

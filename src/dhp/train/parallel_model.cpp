@@ -18,11 +18,6 @@
 namespace dhp::train {
 namespace {
 
-void set_attention_block(qwen::Qwen2_5_VLImpl& m, int64_t block) {
-  for (auto& b : *m.visual->blocks) b->as<qwen::VisionBlockImpl>()->attn->core = qwen::local_attention_core(block);
-  for (auto& l : *m.model->layers) l->as<qwen::DecoderLayerImpl>()->self_attn->core = qwen::local_attention_core(block);
-}
-
 int64_t image_rows(const data::Sample& s, int64_t image_token_id) {
   int64_t n = 0;
   for (auto id : s.ids) n += id == image_token_id;
@@ -50,7 +45,7 @@ qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
   if (load_from && !cfg.model.from.empty()) qwen::load_hf_weights(cfg.model.from, *m);
   if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
   m->set_activation_checkpointing(cfg.training.activation_checkpointing);
-  set_attention_block(*m, cfg.training.attention_block);
+  m->set_attention_block(cfg.training.attention_block);
   return m;
 }
 

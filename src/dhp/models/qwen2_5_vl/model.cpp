@@ -67,20 +67,12 @@ Qwen2_5_VLImpl::Qwen2_5_VLImpl(const ModelConfig& c) : cfg(c) {
   if (!cfg.text.tie_word_embeddings) {
     lm_head = register_module("lm_head", dhp::nn::make_linear(cfg.text.hidden_size, cfg.text.vocab_size, false));
   }
-  vision_fn = [this](const torch::Tensor& patches, const VisionPlan& plan) { return visual->forward(patches, plan); };
-  embed_tokens_fn = [this](const torch::Tensor& ids) { return model->embed_tokens(ids); };
-  loss_sum_fn = [this](const torch::Tensor& h, const torch::Tensor& tgt) { return local_loss_sum(h, tgt); };
-}
-
-torch::Tensor Qwen2_5_VLImpl::local_loss_sum(const torch::Tensor& h, const torch::Tensor& tgt) {
-  auto logits = torch::matmul(h, lm_head_weight().t()).to(torch::kFloat32);
-  return torch::nn::functional::cross_entropy(
-      logits, tgt, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+  loss_head = register_module("loss_head", dhp::nn::CrossEntropyHead());
 }
 
 torch::Tensor Qwen2_5_VLImpl::encode_images(const Batch& batch) {
   if (batch.grid_thw.empty()) return torch::Tensor();
-  return vision_fn(batch.pixel_values, make_vision_plan(batch.grid_thw, cfg.vision));
+  return visual->forward(batch.pixel_values, make_vision_plan(batch.grid_thw, cfg.vision));
 }
 
 void Qwen2_5_VLImpl::set_activation_checkpointing(bool on) {
@@ -88,12 +80,18 @@ void Qwen2_5_VLImpl::set_activation_checkpointing(bool on) {
   model->activation_checkpointing = on;
 }
 
+void Qwen2_5_VLImpl::set_attention_block(int64_t block) {
+  visual->attention_block = block;
+  model->attention_block = block;
+}
+
 torch::Tensor Qwen2_5_VLImpl::lm_head_weight() const {
   return lm_head ? lm_head->weight : model->embed_tokens->weight;
 }
 
 torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch, const torch::Tensor& vision_embeds) {
-  auto emb = embed_tokens_fn(batch.input_ids);  // (L, C)
+  auto emb = model->stage("model.embed_tokens", [this](const torch::Tensor& ids) { return model->embed_tokens(ids); },
+                          batch.input_ids);  // (L, C)
   auto pos = (batch.input_ids == cfg.image_token_id).nonzero().squeeze(-1);
   auto vis = vision_embeds.defined() ? vision_embeds : encode_images(batch);  // (N/4, C)
   if (!vis.defined() || vis.size(0) == 0) {
@@ -109,7 +107,7 @@ std::pair<torch::Tensor, torch::Tensor> Qwen2_5_VLImpl::hidden_at_targets(const 
                                                                            const torch::Tensor& vision_embeds) {
   auto [cos, sin] = mrope_cos_sin(batch.position_ids, cfg.text);
   const auto dtype = model->embed_tokens->weight.scalar_type();
-  TextAttnInputs in{cos.to(dtype), sin.to(dtype), batch.cu_seqlens};
+  TextAttnInputs in{cos.to(dtype), sin.to(dtype), batch.cu_seqlens, local_attention_core(model->attention_block)};
   auto h = model->forward(embed(batch, vision_embeds), in);  // (L, C)
   auto sel = batch.targets.ne(-100).nonzero().squeeze(-1);
   return {h.index_select(0, sel), batch.targets.index_select(0, sel)};
@@ -124,7 +122,13 @@ Qwen2_5_VLImpl::Output Qwen2_5_VLImpl::forward(const Batch& batch, const torch::
   auto [h, tgt] = hidden_at_targets(batch, vision_embeds);
   Output out;
   out.num_tokens = tgt.numel();
-  out.loss_sum = out.num_tokens == 0 ? h.sum().to(torch::kFloat32) * 0 : loss_sum_fn(h, tgt);
+  if (out.num_tokens == 0) {
+    out.loss_sum = h.sum().to(torch::kFloat32) * 0;
+    return out;
+  }
+  // The head's stage: lm_head's, or the embedding's when tied (ZeRO-3 gathers that weight).
+  const auto loss = [this, tgt = tgt](const torch::Tensor& x) { return loss_head(x, tgt, lm_head_weight()); };
+  out.loss_sum = model->stage(lm_head ? "lm_head" : "model.embed_tokens", loss, h);
   return out;
 }
 

@@ -6,7 +6,6 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,36 +48,32 @@ class Qwen2_5_VLImpl : public torch::nn::Module {
     int64_t num_tokens = 0;  // target tokens
   };
   // vision_embeds: the batch's image embeddings (N/4, C) when computed elsewhere (parallel
-  // drivers); undefined: encoded here by vision_fn.
+  // drivers); undefined: encoded here.
   Output forward(const Batch& batch, const torch::Tensor& vision_embeds = {});
-  // The batch's image embeddings (N/4, C) in order, through vision_fn; undefined without images.
+  // The batch's image embeddings (N/4, C) in order; undefined without images.
   torch::Tensor encode_images(const Batch& batch);
   // Embeddings with vision rows in place of <|image_pad|>: (L, C).
   torch::Tensor embed(const Batch& batch, const torch::Tensor& vision_embeds = {});
   // Final hidden states (n, C) at the target positions and their targets (n).
   std::pair<torch::Tensor, torch::Tensor> hidden_at_targets(const Batch& batch, const torch::Tensor& vision_embeds = {});
-  // Summed cross-entropy through the local lm_head (the default loss_sum_fn).
-  torch::Tensor local_loss_sum(const torch::Tensor& h, const torch::Tensor& tgt);
   // Logits (n, vocab) of the target positions only (local lm_head; not vocab-parallel).
   torch::Tensor target_logits(const Batch& batch);
   // lm_head weight (vocab, C): embed_tokens' when tied.
   torch::Tensor lm_head_weight() const;
 
   void set_activation_checkpointing(bool on);
+  // The local attention kernel's block size in both towers (training.attention_block).
+  void set_attention_block(int64_t block);
 
-  // Hooks that vocab-parallel strategies replace (see parallel/parallelize.h):
-  // patches (N, C*T*P*P), plan -> vision embeddings (N/4, C) in processor order;
-  // default: visual->forward. Replaced by sequence parallelism.
-  std::function<torch::Tensor(const torch::Tensor&, const VisionPlan&)> vision_fn;
-  // ids (L) -> embeddings (L, C); default: embed_tokens.
-  std::function<torch::Tensor(const torch::Tensor&)> embed_tokens_fn;
-  // hidden (n, C) at target positions, targets (n) -> summed cross-entropy (); default:
-  // full logits through lm_head_weight().
-  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss_sum_fn;
-
+  // Submodules by Hugging Face's names; parallel strategies replace them (and the linears
+  // inside) from outside (models/qwen2_5_vl/parallelize.h), or set the towers' stage
+  // runners and the vision tower's sequence split.
   VisionTransformer visual{nullptr};
   TextModel model{nullptr};
   dhp::nn::Linear lm_head{nullptr};  // null when tied
+  // The loss over lm_head_weight(): summed cross-entropy of the full logits, or a
+  // vocabulary-parallel one. No parameters (registered as "loss_head").
+  dhp::nn::CrossEntropyHead loss_head{nullptr};
   ModelConfig cfg;
 };
 TORCH_MODULE(Qwen2_5_VL);

@@ -103,25 +103,20 @@ parallel::TpShardMap parallelize_text_tp(Qwen2_5_VLImpl& model, const dist::Grou
     parallel::make_swiglu_parallel(map, pre + "mlp.", *layer->mlp, tp);
   }
   // Vocabulary-parallel embedding and lm_head (tied: the same shard serves both): keep
-  // rows [start, start + V/tp); the hooks never materialise full logits.
+  // rows [start, start + V/tp); the loss head never materialises full logits.
   const int64_t start = tp.rank() * (t.vocab_size / tp.size());
-  {
+  auto emb = std::make_shared<parallel::VocabParallelEmbeddingImpl>(*model.model->embed_tokens, tp);
+  model.model->replace_module("embed_tokens", emb);
+  model.model->embed_tokens = nn::Embedding(std::static_pointer_cast<nn::EmbeddingImpl>(emb));
+  if (model.lm_head) {
     torch::NoGradGuard no_grad;
-    auto& emb = model.model->embed_tokens->weight;
-    emb.set_data(parallel::shard_of(emb, 0, tp, "vocab-parallel embed_tokens"));
-    if (model.lm_head) model.lm_head->weight.set_data(parallel::shard_of(model.lm_head->weight, 0, tp, "vocab-parallel lm_head"));
+    model.lm_head->weight.set_data(parallel::shard_of(model.lm_head->weight, 0, tp, "vocab-parallel lm_head"));
   }
   map["model.embed_tokens.weight"] = {0, 1};
   if (model.lm_head) map["lm_head.weight"] = {0, 1};
-  auto* m = &model;
-  dist::Group g = tp;
-  model.embed_tokens_fn = [m, g, start](const torch::Tensor& ids) {
-    return parallel::vocab_parallel_embedding(ids, m->model->embed_tokens->weight, start, g);
-  };
-  model.loss_sum_fn = [m, g, start](const torch::Tensor& h, const torch::Tensor& tgt) {
-    auto logits = torch::matmul(parallel::copy_to_group(h, g), m->lm_head_weight().t());  // (n, V/tp) [sharded]
-    return parallel::vocab_parallel_cross_entropy(logits, tgt, start, g).sum();
-  };
+  auto head = std::make_shared<parallel::VocabParallelCrossEntropyHeadImpl>(tp, start);
+  model.replace_module("loss_head", head);
+  model.loss_head = nn::CrossEntropyHead(std::static_pointer_cast<nn::CrossEntropyHeadImpl>(head));
   return map;
 }
 
@@ -147,60 +142,49 @@ parallel::TpShardMap parallelize_vision_tp(Qwen2_5_VLImpl& model, const dist::Gr
   return map;
 }
 
+namespace {
+
+// Ulysses over `group`: this rank's rows are a run of whole windows (window_shards),
+// full-attention blocks attend over whole images through the all-to-alls, and the merged
+// rows are all-gathered (ragged) at the end.
+class UlyssesSplit : public VisionSequenceSplit {
+ public:
+  UlyssesSplit(dist::Group group, int64_t merge_unit, int64_t block_size)
+      : group_(std::move(group)), unit_(merge_unit), block_(block_size) {}
+
+  std::pair<int64_t, int64_t> rows(const VisionPlan& plan) override {
+    rows_ = parallel::window_shards(plan.cu_window_seqlens, group_.size());
+    int64_t lo = 0;
+    for (int64_t i = 0; i < group_.rank(); ++i) lo += rows_[i];
+    return {lo, lo + rows_[group_.rank()]};
+  }
+
+  AttentionCore full_attention() override {
+    return [g = group_, rows = rows_, block_size = block_](const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, const std::vector<int64_t>& cu, bool causal) {
+      return parallel::ulysses_attention(q, k, v, cu, causal, g, rows, block_size);
+    };
+  }
+
+  torch::Tensor gather(const torch::Tensor& merged) override {
+    std::vector<int64_t> merged_rows;
+    for (auto r : rows_) merged_rows.push_back(r / unit_);
+    return parallel::gather_rows(merged, group_, merged_rows);  // (N/unit, out) window order
+  }
+
+ private:
+  dist::Group group_;
+  int64_t unit_, block_;
+  std::vector<int64_t> rows_;  // every rank's rows of the current forward
+};
+
+}  // namespace
+
 void parallelize_vision_sp(Qwen2_5_VLImpl& model, const dist::Group& sp, int64_t block_size) {
   if (sp.size() == 1) return;
   const auto& vc = model.cfg.vision;
   DHP_CHECK(vc.num_heads % sp.size() == 0, "vision sp=", sp.size(), " does not divide vision num_heads=", vc.num_heads);
-  auto* vt = model.visual.get();
-  dist::Group g = sp;
-  model.vision_fn = [vt, g, block_size](const torch::Tensor& patches, const VisionPlan& plan) {
-    const auto& c = vt->cfg;
-    const int64_t unit = c.spatial_merge_size * c.spatial_merge_size;
-    const auto rows = parallel::window_shards(plan.cu_window_seqlens, g.size());
-    int64_t lo = 0;
-    for (int64_t i = 0; i < g.rank(); ++i) lo += rows[i];
-    const int64_t hi = lo + rows[g.rank()];
-    // My patches: window-ordered rows [lo, hi) = merged units window_index[lo/unit, hi/unit).
-    std::vector<int64_t> mine;
-    for (int64_t u = lo / unit; u < hi / unit; ++u)
-      for (int64_t k = 0; k < unit; ++k) mine.push_back(plan.window_index[u] * unit + k);
-    auto idx = torch::tensor(mine, torch::kInt64);
-    auto h = vt->patch_embed(patches.index_select(0, idx));  // (S_local, hidden) [sharded]
-    auto [cos, sin] = vt->rotary(plan);
-    cos = cos.narrow(0, lo, hi - lo);
-    sin = sin.narrow(0, lo, hi - lo);
-    const auto win_cu = parallel::local_segments(plan.cu_window_seqlens, lo, hi);
-    const std::set<int64_t> full(c.fullatt_block_indexes.begin(), c.fullatt_block_indexes.end());
-    for (int64_t i = 0; i < c.depth; ++i) {
-      auto block = vt->blocks->ptr<VisionBlockImpl>(i);
-      const bool is_full = full.count(i) > 0;
-      VisionAttnInputs in{cos, sin, is_full ? plan.cu_seqlens : win_cu};
-      // A full-attention block attends through Ulysses; the swap lives inside the function so
-      // that a checkpointed block's recomputation in backward uses it too.
-      auto run = [block, in, is_full, g, rows, block_size](const torch::Tensor& x) {
-        const auto saved = block->attn->core;
-        struct Restore {
-          VisionBlockImpl* b;
-          decltype(saved) core;
-          ~Restore() { b->attn->core = core; }
-        } restore{block.get(), saved};
-        if (is_full) {
-          block->attn->core = [g, rows, block_size](const torch::Tensor& q, const torch::Tensor& k,
-                                                   const torch::Tensor& v, const std::vector<int64_t>& cu,
-                                                   bool causal) {
-            return parallel::ulysses_attention(q, k, v, cu, causal, g, rows, block_size);
-          };
-        }
-        return block->forward(x, in);
-      };
-      h = vt->activation_checkpointing && torch::GradMode::is_enabled() ? dhp::nn::checkpoint(run, h) : run(h);
-    }
-    auto merged = vt->merger(h);  // (S_local/unit, out) window order [sharded]
-    std::vector<int64_t> merged_rows;
-    for (auto r : rows) merged_rows.push_back(r / unit);
-    auto all = parallel::gather_rows(merged, g, merged_rows);  // (N/unit, out) window order
-    return reorder_units(all, inverse_permutation(plan.window_index), 1);
-  };
+  model.visual->split = std::make_shared<UlyssesSplit>(sp, vc.spatial_merge_size * vc.spatial_merge_size, block_size);
 }
 
 std::unique_ptr<parallel::Zero3> parallelize_zero3(Qwen2_5_VLImpl& model, const std::string& scope,
@@ -218,16 +202,8 @@ std::unique_ptr<parallel::Zero3> parallelize_zero3(Qwen2_5_VLImpl& model, const 
   for (size_t i = 0; i < model.model->layers->size(); ++i) units.push_back("model.layers." + std::to_string(i));
   if (model.lm_head) units.push_back("lm_head");
   auto z = std::make_unique<parallel::Zero3>(parameters_of(model, is_text_param), units, group);
-  parallel::Zero3* zp = z.get();
-  auto* m = &model;
+  // The decoder's stages, the embedding and the loss head included, run through it.
   model.model->runner = z->runner();
-  model.embed_tokens_fn = [zp, m](const torch::Tensor& ids) {
-    return zp->run("model.embed_tokens", [m](const torch::Tensor& x) { return m->model->embed_tokens(x); }, ids);
-  };
-  const std::string head = model.lm_head ? "lm_head" : "model.embed_tokens";
-  model.loss_sum_fn = [zp, m, head](const torch::Tensor& h, const torch::Tensor& tgt) {
-    return zp->run(head, [m, tgt](const torch::Tensor& x) { return m->local_loss_sum(x, tgt); }, h);
-  };
   return z;
 }
 

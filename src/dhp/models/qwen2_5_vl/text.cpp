@@ -28,7 +28,6 @@ TextAttentionImpl::TextAttentionImpl(const TextConfig& cfg) : head_dim(cfg.head_
   k_proj = register_module("k_proj", dhp::nn::make_linear(cfg.hidden_size, kv, true));
   v_proj = register_module("v_proj", dhp::nn::make_linear(cfg.hidden_size, kv, true));
   o_proj = register_module("o_proj", dhp::nn::make_linear(cfg.num_heads * head_dim, cfg.hidden_size, false));
-  core = local_attention_core(256);
 }
 
 torch::Tensor TextAttentionImpl::forward(const torch::Tensor& x, const TextAttnInputs& in) {
@@ -43,7 +42,7 @@ torch::Tensor TextAttentionImpl::forward(const torch::Tensor& x, const TextAttnI
     k = k.repeat_interleave(groups, 1);
     v = v.repeat_interleave(groups, 1);
   }
-  auto o = core(q, k, v, in.cu, /*causal=*/true);
+  auto o = in.core(q, k, v, in.cu, /*causal=*/true);
   return o_proj(o.reshape({L, -1}));
 }
 
@@ -61,7 +60,7 @@ torch::Tensor DecoderLayerImpl::forward(const torch::Tensor& x, const TextAttnIn
 }
 
 TextModelImpl::TextModelImpl(const TextConfig& c) : cfg(c) {
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(cfg.vocab_size, cfg.hidden_size));
+  embed_tokens = register_module("embed_tokens", dhp::nn::Embedding(cfg.vocab_size, cfg.hidden_size));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < cfg.num_layers; ++i) layers->push_back(DecoderLayer(cfg));
   norm = register_module("norm", dhp::nn::RMSNorm(cfg.hidden_size, cfg.rms_norm_eps));
@@ -78,8 +77,11 @@ torch::Tensor TextModelImpl::forward(torch::Tensor h, const TextAttnInputs& in) 
       h = layer->forward(h, in);
     }
   }
-  if (runner) return runner("model.norm", [this](const torch::Tensor& x) { return norm(x); }, h);
-  return norm(h);
+  return stage("model.norm", [this](const torch::Tensor& x) { return norm(x); }, h);
+}
+
+torch::Tensor TextModelImpl::stage(const std::string& name, const dhp::nn::StageFn& fn, const torch::Tensor& x) {
+  return runner ? runner(name, fn, x) : fn(x);
 }
 
 }  // namespace dhp::qwen

@@ -5,9 +5,9 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 
+#include <string>
 #include <vector>
 
 #include "dhp/models/qwen2_5_vl/config.h"
@@ -24,6 +24,7 @@ std::pair<torch::Tensor, torch::Tensor> mrope_cos_sin(const torch::Tensor& posit
 struct TextAttnInputs {
   torch::Tensor cos, sin;        // (L, head_dim)
   std::vector<int64_t> cu;       // per-sample offsets in the packed sequence
+  AttentionCore core;            // causal attention over those segments
 };
 
 class TextAttentionImpl : public torch::nn::Module {
@@ -31,7 +32,6 @@ class TextAttentionImpl : public torch::nn::Module {
   explicit TextAttentionImpl(const TextConfig& cfg);
   torch::Tensor forward(const torch::Tensor& x, const TextAttnInputs& in);  // (L, C) -> (L, C)
   dhp::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  AttentionCore core;
   int64_t head_dim;
 };
 TORCH_MODULE(TextAttention);
@@ -51,12 +51,16 @@ class TextModelImpl : public torch::nn::Module {
   explicit TextModelImpl(const TextConfig& cfg);
   // embeds (L, C) -> final-normed hidden states (L, C).
   torch::Tensor forward(torch::Tensor embeds, const TextAttnInputs& in);
-  torch::nn::Embedding embed_tokens{nullptr};
+  // fn(x) through the runner when there is one (the decoder's stages, its embedding and loss
+  // head included: "model.embed_tokens", "model.layers.<i>", "model.norm", "lm_head").
+  torch::Tensor stage(const std::string& name, const dhp::nn::StageFn& fn, const torch::Tensor& x);
+  dhp::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   dhp::nn::RMSNorm norm{nullptr};
   TextConfig cfg;
   bool activation_checkpointing = false;
-  // Runs each stage ("model.layers.<i>", "model.norm") when set; see VisionTransformer.
+  int64_t attention_block = 256;  // the local attention kernel's block (training.attention_block)
+  // Runs each stage when set (ZeRO-3); see VisionTransformer.
   dhp::nn::StageRunner runner;
 };
 TORCH_MODULE(TextModel);

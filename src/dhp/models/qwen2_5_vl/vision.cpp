@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <set>
+#include <tuple>
 
 #include "dhp/core/error.h"
 #include "dhp/nn/attention.h"
@@ -109,7 +110,6 @@ AttentionCore local_attention_core(int64_t block_size) {
 VisionAttentionImpl::VisionAttentionImpl(const VisionConfig& cfg) : num_heads(cfg.num_heads) {
   qkv = register_module("qkv", dhp::nn::make_linear(cfg.hidden_size, 3 * cfg.hidden_size, true));
   proj = register_module("proj", dhp::nn::make_linear(cfg.hidden_size, cfg.hidden_size, true));
-  core = local_attention_core(256);
 }
 
 torch::Tensor VisionAttentionImpl::forward(const torch::Tensor& x, const VisionAttnInputs& in) {
@@ -120,7 +120,7 @@ torch::Tensor VisionAttentionImpl::forward(const torch::Tensor& x, const VisionA
   auto parts = qkv_out.view({S, 3, -1, D}).unbind(1);
   auto q = dhp::nn::apply_rotary(parts[0], in.cos, in.sin);
   auto k = dhp::nn::apply_rotary(parts[1], in.cos, in.sin);
-  auto o = core(q, k, parts[2], in.cu, /*causal=*/false);  // (S, H_local, D)
+  auto o = in.core(q, k, parts[2], in.cu, /*causal=*/false);  // (S, H_local, D)
   return proj(o.reshape({S, -1}));
 }
 
@@ -180,35 +180,63 @@ std::pair<torch::Tensor, torch::Tensor> VisionTransformerImpl::rotary(const Visi
   return {emb.cos(), emb.sin()};
 }
 
-torch::Tensor VisionTransformerImpl::run_blocks(torch::Tensor h, const torch::Tensor& cos,
-                                                const torch::Tensor& sin, const VisionPlan& plan) {
-  const std::set<int64_t> full(cfg.fullatt_block_indexes.begin(), cfg.fullatt_block_indexes.end());
-  for (int64_t i = 0; i < cfg.depth; ++i) {
-    VisionAttnInputs in{cos, sin, full.count(i) ? plan.cu_seqlens : plan.cu_window_seqlens};
-    auto block = blocks->ptr<VisionBlockImpl>(i);
-    if (runner) {
-      h = runner("visual.blocks." + std::to_string(i), [block, in](const torch::Tensor& x) { return block->forward(x, in); }, h);
-    } else if (activation_checkpointing) {
-      h = dhp::nn::checkpoint([block, in](const torch::Tensor& x) { return block->forward(x, in); }, h);
-    } else {
-      h = block->forward(h, in);
-    }
-  }
-  return h;
+torch::Tensor VisionTransformerImpl::stage(const std::string& name, const dhp::nn::StageFn& fn,
+                                           const torch::Tensor& x) {
+  return runner ? runner(name, fn, x) : fn(x);
 }
+
+torch::Tensor VisionTransformerImpl::embed(const torch::Tensor& patches, const VisionPlan& plan, int64_t lo,
+                                           int64_t hi) {
+  const int64_t unit = cfg.spatial_merge_size * cfg.spatial_merge_size;
+  const auto fn = [this](const torch::Tensor& x) { return patch_embed(x); };
+  if (!split) return reorder_units(stage("visual.patch_embed", fn, patches), plan.window_index, unit);
+  // Rows [lo, hi) of the window order are the merged units window_index[lo/unit, hi/unit).
+  std::vector<int64_t> mine;
+  for (int64_t u = lo / unit; u < hi / unit; ++u)
+    for (int64_t k = 0; k < unit; ++k) mine.push_back(plan.window_index[u] * unit + k);
+  auto idx = torch::tensor(mine, torch::kInt64).to(patches.device());
+  return stage("visual.patch_embed", fn, patches.index_select(0, idx));
+}
+
+namespace {
+
+// Segment offsets `cu` restricted to rows [lo, hi) (both on boundaries), shifted to start at 0.
+std::vector<int64_t> segments_within(const std::vector<int64_t>& cu, int64_t lo, int64_t hi) {
+  std::vector<int64_t> out;
+  for (auto c : cu) {
+    if (c >= lo && c <= hi) out.push_back(c - lo);
+  }
+  TORCH_INTERNAL_ASSERT(out.size() >= 2 && out.front() == 0 && out.back() == hi - lo);
+  return out;
+}
+
+}  // namespace
 
 torch::Tensor VisionTransformerImpl::forward(const torch::Tensor& patches, const VisionPlan& plan) {
   DHP_CHECK(patches.size(0) == plan.num_patches, "vision: ", patches.size(0),
             " patch rows but the image grids give ", plan.num_patches);
-  const int64_t unit = cfg.spatial_merge_size * cfg.spatial_merge_size;
-  auto stage = [this](const char* name, const dhp::nn::StageFn& fn, const torch::Tensor& x) {
-    return runner ? runner(name, fn, x) : fn(x);
-  };
-  auto h = stage("visual.patch_embed", [this](const torch::Tensor& x) { return patch_embed(x); }, patches);
-  h = reorder_units(h, plan.window_index, unit);  // (N, hidden) window order
+  int64_t lo = 0, hi = plan.num_patches;  // this rank's rows of the window order
+  if (split) std::tie(lo, hi) = split->rows(plan);
+  auto h = embed(patches, plan, lo, hi);  // (S, hidden) window order [sharded with a split]
   auto [cos, sin] = rotary(plan);
-  h = run_blocks(h, cos.to(h.device()), sin.to(h.device()), plan);
-  auto merged = stage("visual.merger", [this](const torch::Tensor& x) { return merger(x); }, h);  // (N/unit, out) window order
+  cos = cos.to(h.device()).narrow(0, lo, hi - lo);
+  sin = sin.to(h.device()).narrow(0, lo, hi - lo);
+  const auto windows = split ? segments_within(plan.cu_window_seqlens, lo, hi) : plan.cu_window_seqlens;
+  const AttentionCore local = local_attention_core(attention_block);
+  const AttentionCore whole_images = split ? split->full_attention() : local;
+  const std::set<int64_t> full(cfg.fullatt_block_indexes.begin(), cfg.fullatt_block_indexes.end());
+  for (int64_t i = 0; i < cfg.depth; ++i) {
+    const bool is_full = full.count(i) > 0;
+    VisionAttnInputs in{cos, sin, is_full ? plan.cu_seqlens : windows, is_full ? whole_images : local};
+    auto block = blocks->ptr<VisionBlockImpl>(i);
+    // The inputs travel with the function, so a recomputation in backward attends the same way.
+    const dhp::nn::StageFn fn = [block, in](const torch::Tensor& x) { return block->forward(x, in); };
+    if (runner) h = runner("visual.blocks." + std::to_string(i), fn, h);
+    else if (activation_checkpointing) h = dhp::nn::checkpoint(fn, h);
+    else h = fn(h);
+  }
+  auto merged = stage("visual.merger", [this](const torch::Tensor& x) { return merger(x); }, h);  // (S/unit, out)
+  if (split) merged = split->gather(merged);  // (N/unit, out) window order
   return reorder_units(merged, inverse_permutation(plan.window_index), 1);
 }
 

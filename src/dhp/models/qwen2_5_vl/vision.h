@@ -1,6 +1,8 @@
 // Qwen2.5-VL vision tower: patch embedding, 2-D rotary, window attention blocks with full
 // attention in fullatt_block_indexes, and the 2x2 PatchMerger. Architecture only; parallel
-// strategies wrap the attention core (VisionAttention::core) and swap linears from outside.
+// strategies come in from outside, three ways: they replace linears by name (tensor
+// parallelism), run each named stage through `runner` (ZeRO-3), and split the sequence
+// through `split` (sequence parallelism), which the one forward below consults.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -10,6 +12,9 @@
 
 #include <array>
 #include <functional>
+#include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "dhp/models/qwen2_5_vl/config.h"
@@ -39,24 +44,40 @@ VisionPlan make_vision_plan(const std::vector<GridTHW>& grids, const VisionConfi
 // argsort of a permutation.
 std::vector<int64_t> inverse_permutation(const std::vector<int64_t>& perm);
 
-// What one attention call needs besides the activations.
-struct VisionAttnInputs {
-  torch::Tensor cos, sin;             // (S, head_dim), window order
-  std::vector<int64_t> cu;            // segments for this block (windows or images)
-};
-
-// Attention core: (S, H, D) q, k, v -> (S, H, D). Replaced by Ulysses SP from outside.
+// Attention core: (S, H, D) q, k, v over the segments cu -> (S, H, D).
 using AttentionCore = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&,
                                                   const torch::Tensor&,
                                                   const std::vector<int64_t>& cu, bool causal)>;
+// dhp's varlen attention kernel on this process's rows (nn/attention.h).
 AttentionCore local_attention_core(int64_t block_size);
+
+// What one attention call needs besides the activations: the rotary angles, the segments
+// and the attention core (chosen per call by the tower: local, or sequence-parallel).
+struct VisionAttnInputs {
+  torch::Tensor cos, sin;             // (S, head_dim), window order
+  std::vector<int64_t> cu;            // segments for this block (windows or images)
+  AttentionCore core;
+};
+
+// How the tower's window-ordered sequence is split over ranks (sequence parallelism,
+// models/qwen2_5_vl/parallelize.h); absent, one process computes all of it. rows() is
+// called first in every forward and the others refer to that forward's plan.
+class VisionSequenceSplit {
+ public:
+  virtual ~VisionSequenceSplit() = default;
+  // This rank's rows [lo, hi) of the window-ordered patch sequence, on window boundaries.
+  virtual std::pair<int64_t, int64_t> rows(const VisionPlan& plan) = 0;
+  // Attention over whole images (full-attention blocks) from every rank's rows.
+  virtual AttentionCore full_attention() = 0;
+  // This rank's merged rows (window order) -> every rank's, in window order.
+  virtual torch::Tensor gather(const torch::Tensor& merged) = 0;
+};
 
 class VisionAttentionImpl : public torch::nn::Module {
  public:
   explicit VisionAttentionImpl(const VisionConfig& cfg);
   torch::Tensor forward(const torch::Tensor& x, const VisionAttnInputs& in);  // (S, C) -> (S, C)
   dhp::nn::Linear qkv{nullptr}, proj{nullptr};
-  AttentionCore core;
   int64_t num_heads;
 };
 TORCH_MODULE(VisionAttention);
@@ -102,11 +123,9 @@ class VisionTransformerImpl : public torch::nn::Module {
  public:
   explicit VisionTransformerImpl(const VisionConfig& cfg);
   // patches (N, C*T*P*P), processor order -> (N / merge^2, out_hidden), processor order.
+  // With a split, this rank embeds and runs the blocks and the merger on its rows only
+  // [sharded], and the merged rows of every rank are gathered at the end.
   torch::Tensor forward(const torch::Tensor& patches, const VisionPlan& plan);
-  // The blocks part only, on window-ordered hidden states (S, hidden); exposed so that
-  // sequence-parallel stages can run it on a shard.
-  torch::Tensor run_blocks(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
-                           const VisionPlan& plan);
   // cos, sin (N, head_dim) in window order for a plan.
   std::pair<torch::Tensor, torch::Tensor> rotary(const VisionPlan& plan) const;
 
@@ -115,10 +134,19 @@ class VisionTransformerImpl : public torch::nn::Module {
   PatchMerger merger{nullptr};
   VisionConfig cfg;
   bool activation_checkpointing = false;
+  int64_t attention_block = 256;  // the local attention kernel's block (training.attention_block)
   // Runs each stage ("visual.patch_embed", "visual.blocks.<i>", "visual.merger") when set
   // (ZeRO-3 gathers the stage's parameters around it); null: plain calls, blocks under
   // activation checkpointing when that is on.
   dhp::nn::StageRunner runner;
+  // Sequence parallelism's split of the rows; null: all rows here.
+  std::shared_ptr<VisionSequenceSplit> split;
+
+ private:
+  // fn(x) through the runner when there is one.
+  torch::Tensor stage(const std::string& name, const dhp::nn::StageFn& fn, const torch::Tensor& x);
+  // Window-ordered hidden states (S, hidden) of rows [lo, hi) of the sequence: embedded here.
+  torch::Tensor embed(const torch::Tensor& patches, const VisionPlan& plan, int64_t lo, int64_t hi);
 };
 TORCH_MODULE(VisionTransformer);
 
