@@ -48,6 +48,46 @@ train::FaultInjection parse_faults(const std::vector<std::string>& specs) {
   return f;
 }
 
+// parallel.strategy=auto, chosen here once per job: the launcher pins its choice for the
+// workers it starts by appending --set overrides to `worker_argv` (ranks started by
+// torchrun, srun or mpirun each choose, deterministically). `calibrate`: measure this
+// machine first when it has no calibration for `world` ranks.
+Config choose_auto(const Config& cfg, int64_t world, const std::optional<launch::WorkerEnv>& env, bool calibrate,
+                   std::vector<std::string>& worker_argv) {
+  if (calibrate && world > 1 && !std::filesystem::exists(train::auto_calibration_path(world))) {
+    log_info("parallel.strategy=auto: no calibration of this machine as " + std::to_string(world) +
+             " ranks yet; measuring it once (dhp plan --calibrate --ranks " + std::to_string(world) + ")");
+    bench::CalibrateOptions co;
+    co.ranks = world;
+    bench::calibrate_local(co);
+  }
+  std::string why;
+  auto out = train::resolve_auto(cfg, world, &why);
+  if (!env || env->rank == 0) log_info(why);
+  for (const auto& kv : train::pinned_parallel_sets(out)) {
+    worker_argv.push_back("--set");
+    worker_argv.push_back(kv);
+  }
+  return out;
+}
+
+// --print-schedule: each rank's modules and the actions of one step.
+void print_schedule(const Config& cfg, const train::Layouts& layouts, int64_t world) {
+  const auto& enc = layouts.encoder();
+  const auto& dec = layouts.decoder();
+  std::printf("%lld rank(s): %s; %lld micro-batch(es) per step, %s\n", static_cast<long long>(world),
+              train::describe(layouts).c_str(), static_cast<long long>(cfg.training.micro_batches),
+              cfg.parallel.pipeline && train::disjoint(enc, dec) ? "pipelined" : "sequential");
+  for (int64_t r = 0; r < world; ++r) {
+    std::string hosts;
+    for (const auto& m : layouts.modules) {
+      if (m.module_rank(r) >= 0) hosts += (hosts.empty() ? "" : "+") + m.name;
+    }
+    const auto actions = train::make_schedule(enc, dec, r, cfg.training.micro_batches, cfg.parallel.pipeline);
+    std::printf("rank %lld [%s]: %s\n", static_cast<long long>(r), hosts.c_str(), train::to_string(actions).c_str());
+  }
+}
+
 }  // namespace
 
 int cmd_train(int argc, char** argv, int first) {
@@ -94,40 +134,11 @@ int cmd_train(int argc, char** argv, int first) {
   if (!env) DHP_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
   std::vector<std::string> worker_argv(argv, argv + argc);
   if (dhp::parse_combination(cfg.parallel.strategy) == dhp::Combination::kAuto) {
-    // Chosen here, once per job: the launcher pins its choice for the workers it starts
-    // (ranks started by torchrun, srun or mpirun each choose, deterministically).
-    if (!env && !a.print_schedule && world > 1 && !std::filesystem::exists(dhp::train::auto_calibration_path(world))) {
-      dhp::log_info("parallel.strategy=auto: no calibration of this machine as " + std::to_string(world) +
-                    " ranks yet; measuring it once (dhp plan --calibrate --ranks " + std::to_string(world) + ")");
-      dhp::bench::CalibrateOptions co;
-      co.ranks = world;
-      dhp::bench::calibrate_local(co);
-    }
-    std::string why;
-    cfg = dhp::train::resolve_auto(cfg, world, &why);
-    if (!env || env->rank == 0) dhp::log_info(why);
-    for (const auto& kv : dhp::train::pinned_parallel_sets(cfg)) {
-      worker_argv.push_back("--set");
-      worker_argv.push_back(kv);
-    }
+    cfg = choose_auto(cfg, world, env, /*calibrate=*/!env && !a.print_schedule, worker_argv);
   }
   const auto layouts = dhp::train::resolve_layouts(cfg, world);  // refuse an impossible layout before any worker starts
   if (a.print_schedule) {
-    const auto& enc = layouts.encoder();
-    const auto& dec = layouts.decoder();
-    std::printf("%lld rank(s): %s; %lld micro-batch(es) per step, %s\n", static_cast<long long>(world),
-                dhp::train::describe(layouts).c_str(), static_cast<long long>(cfg.training.micro_batches),
-                cfg.parallel.pipeline && dhp::train::disjoint(enc, dec) ? "pipelined" : "sequential");
-    for (int64_t r = 0; r < world; ++r) {
-      std::string hosts;
-      for (const auto& m : layouts.modules) {
-        if (m.module_rank(r) >= 0) hosts += (hosts.empty() ? "" : "+") + m.name;
-      }
-      std::printf("rank %lld [%s]: %s\n", static_cast<long long>(r), hosts.c_str(),
-                  dhp::train::to_string(
-                      dhp::train::make_schedule(enc, dec, r, cfg.training.micro_batches, cfg.parallel.pipeline))
-                      .c_str());
-    }
+    print_schedule(cfg, layouts, world);
     return 0;
   }
   if (!env) {

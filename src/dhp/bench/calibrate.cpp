@@ -81,30 +81,15 @@ int64_t physical_memory() {
 
 }  // namespace
 
-Cluster calibrate_local(const CalibrateOptions& o) {
-  DHP_CHECK(o.ranks >= 1 && o.threads >= 1, "calibration needs ranks >= 1 and threads >= 1");
-  const int old_threads = torch::get_num_threads();
-  torch::set_num_threads(static_cast<int>(o.threads));
-  auto say = [&](const std::string& s) {
-    if (!o.quiet) log_info("calibrate: " + s);
-  };
-  Cluster c;
-  c.name = "local";
-  c.device = "CPU (" + std::to_string(std::thread::hardware_concurrency()) + " threads), " + blas_description();
-  c.devices_per_node = o.ranks;
-  c.nodes = 1;
-  c.memory_bytes = static_cast<double>(physical_memory()) / static_cast<double>(o.ranks);
-  c.reserved_bytes = 0;
-  c.gemm_efficiency = 1;  // the measured rates are what is reached
-  c.hbm_efficiency = 1;
-  c.attention_efficiency = 1;
-  c.attention_tile = 1;
-  c.attention_block = nn::VarlenAttentionOptions{}.block_size;  // dhp's CPU attention (training.attention_block's default)
-  c.half_all_reduce_in_fp32 = true;  // Gloo has no bf16 sum: dhp widens to fp32 (dist/comm.cpp)
+namespace {
+
+using Say = std::function<void(const std::string&)>;
+
+// Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
+// 16 MB all-reduce, all-gather and all-to-all buffers. First, before the compute kernels
+// leave thread pools spinning on the cores the Gloo threads need.
+void measure_collectives(Cluster& c, const CalibrateOptions& o, const Say& say) {
   const int64_t R = o.ranks;
-  // Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
-  // 16 MB all-reduce, all-gather and all-to-all buffers. First, before the compute kernels
-  // leave thread pools spinning on the cores the Gloo threads need.
   if (R > 1) {
     auto store = dist::make_hash_store();
     // Each call starts after a barrier (no skew carried over from the previous one); a call
@@ -231,8 +216,12 @@ Cluster calibrate_local(const CalibrateOptions& o) {
   } else {
     c.intra = c.inter = {1e12, 0, 0, 0};
   }
-  // GEMM rate per rank with every rank busy, as training runs them: a linear layer's forward
-  // and backward (input and weight gradients) under autograd, 1024 rows of width 512.
+}
+
+// GEMM rate per rank with every rank busy, as training runs them: a linear layer's forward
+// and backward (input and weight gradients) under autograd, 1024 rows of width 512.
+void measure_gemm(Cluster& c, const CalibrateOptions& o, const Say& say) {
+  const int64_t R = o.ranks;
   for (auto dtype : {torch::kFloat32, torch::kBFloat16}) {
     const int64_t m = 1024, n = 512;
     const double secs = concurrent_median(R, 16, [&] {  // long enough (~0.1 s) for the ranks to time-slice
@@ -251,116 +240,130 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     say(std::string(dtype == torch::kFloat32 ? "fp32" : "bf16") + " GEMM " + std::to_string(rate / 1e9) +
         " GFLOP/s per rank");
   }
-  // Element-wise bandwidth as the model charges it: one block's element-wise passes (two
-  // RMSNorms, two residual adds, rotary on q and k, the SwiGLU product) forward and backward
-  // with dhp's own kernels and autograd, in the training's dtype, on 4096 rows of width 256
-  // (intermediate 1024); bandwidth = the bytes the cost model counts for them (3 passes x
-  // b x rows x (14 h + 3 I)) / the time they take. On a CPU these kernels (fp32 math on bf16
-  // data, fresh outputs) run far below the memory's bandwidth: measured, not assumed.
-  {
-    DHP_CHECK(o.precision == "bf16" || o.precision == "fp32", "calibration precision must be bf16 or fp32, got '",
-              o.precision, "'");
-    const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat32;
-    const double elem = o.precision == "bf16" ? 2 : 4;
-    const int64_t S = 4096, h = 256, I = 1024, heads = 4, hd = h / heads;
-    const double secs = concurrent_median(R, 3, [&] {
-      auto norm1 = std::make_shared<nn::RMSNormImpl>(h, 1e-6), norm2 = std::make_shared<nn::RMSNormImpl>(h, 1e-6);
-      norm1->to(dtype);
-      norm2->to(dtype);
-      auto x = torch::randn({S, h}).to(dtype).requires_grad_(true);
-      auto q = torch::randn({S, heads, hd}).to(dtype).requires_grad_(true);
-      auto k = torch::randn({S, heads, hd}).to(dtype).requires_grad_(true);
-      auto g = torch::randn({S, I}).to(dtype).requires_grad_(true);
-      auto u = torch::randn({S, I}).to(dtype).requires_grad_(true);
-      auto cos = torch::randn({S, hd}), sin = torch::randn({S, hd});
-      return std::function<void()>([=] {
-        torch::AutoGradMode grad(true);
-        auto r1 = x + norm1->forward(x);
-        auto r2 = r1 + norm2->forward(r1);
-        auto act = torch::silu(g) * u;
-        auto rq = nn::apply_rotary(q, cos, sin), rk = nn::apply_rotary(k, cos, sin);
-        (r2.sum() + act.sum() + rq.sum() + rk.sum()).backward();
-      });
+}
+
+// Element-wise bandwidth as the model charges it: one block's element-wise passes (two
+// RMSNorms, two residual adds, rotary on q and k, the SwiGLU product) forward and backward
+// with dhp's own kernels and autograd, in the training's dtype, on 4096 rows of width 256
+// (intermediate 1024); bandwidth = the bytes the cost model counts for them (3 passes x
+// b x rows x (14 h + 3 I)) / the time they take. On a CPU these kernels (fp32 math on bf16
+// data, fresh outputs) run far below the memory's bandwidth: measured, not assumed.
+void measure_elementwise(Cluster& c, const CalibrateOptions& o, const Say& say) {
+  const int64_t R = o.ranks;
+  DHP_CHECK(o.precision == "bf16" || o.precision == "fp32", "calibration precision must be bf16 or fp32, got '",
+            o.precision, "'");
+  const auto dtype = o.precision == "bf16" ? torch::kBFloat16 : torch::kFloat32;
+  const double elem = o.precision == "bf16" ? 2 : 4;
+  const int64_t S = 4096, h = 256, I = 1024, heads = 4, hd = h / heads;
+  const double secs = concurrent_median(R, 3, [&] {
+    auto norm1 = std::make_shared<nn::RMSNormImpl>(h, 1e-6), norm2 = std::make_shared<nn::RMSNormImpl>(h, 1e-6);
+    norm1->to(dtype);
+    norm2->to(dtype);
+    auto x = torch::randn({S, h}).to(dtype).requires_grad_(true);
+    auto q = torch::randn({S, heads, hd}).to(dtype).requires_grad_(true);
+    auto k = torch::randn({S, heads, hd}).to(dtype).requires_grad_(true);
+    auto g = torch::randn({S, I}).to(dtype).requires_grad_(true);
+    auto u = torch::randn({S, I}).to(dtype).requires_grad_(true);
+    auto cos = torch::randn({S, hd}), sin = torch::randn({S, hd});
+    return std::function<void()>([=] {
+      torch::AutoGradMode grad(true);
+      auto r1 = x + norm1->forward(x);
+      auto r2 = r1 + norm2->forward(r1);
+      auto act = torch::silu(g) * u;
+      auto rq = nn::apply_rotary(q, cos, sin), rk = nn::apply_rotary(k, cos, sin);
+      (r2.sum() + act.sum() + rq.sum() + rk.sum()).backward();
     });
-    c.hbm_bandwidth = 3.0 * elem * static_cast<double>(S) * static_cast<double>(14 * h + 3 * I) / secs;
-    say("element-wise " + std::to_string(c.hbm_bandwidth / 1e9) + " GB/s per rank (a block's norms, residuals, "
-        "rotary, SwiGLU product)");
-  }
-  // Fixed cost of one small op with autograd recording (as in training).
-  {
-    const double secs = concurrent_median(R, 5, [&] {
-      auto a = torch::ones({8}).requires_grad_(true), b = torch::ones({8});
-      return std::function<void()>([a, b] {
-        torch::AutoGradMode grad(true);
-        for (int i = 0; i < 200; ++i) (void)(a + b);
-      });
-    }) / 200;
-    c.launch_s = secs;
-    say("op overhead " + std::to_string(secs * 1e6) + " us");
-  }
-  // dhp's ZeRO-3 around its collectives: a unit of four 1024x1024 linears (4M bf16
-  // parameters) run through parallel::Zero3 in a group of one, forward and backward on one
-  // row (its compute is negligible): two gathers, the reduce-scatter and the copies around
-  // them, per parameter byte.
-  {
-    const int64_t width = 1024, layers = 4;
-    const double secs = concurrent_median(R, 4, [&] {
-      auto root = std::make_shared<torch::nn::Module>();
-      auto seq = root->register_module("u", torch::nn::Sequential());
-      for (int64_t i = 0; i < layers; ++i) seq->push_back(torch::nn::Linear(torch::nn::LinearOptions(width, width).bias(false)));
-      root->to(torch::kBFloat16);
-      std::vector<optim::NamedParam> params;
-      for (auto& kv : root->named_parameters(true)) params.push_back({kv.key(), kv.value(), true});
-      auto z = std::make_shared<parallel::Zero3>(params, std::vector<std::string>{"u"}, dist::Group());
-      auto x = torch::randn({1, width}).to(torch::kBFloat16);
-      return std::function<void()>([root, seq, z, x] {
-        torch::AutoGradMode grad(true);
-        z->run("u", [seq](const torch::Tensor& in) { return seq->forward(in); }, x).sum().backward();
-      });
+  });
+  c.hbm_bandwidth = 3.0 * elem * static_cast<double>(S) * static_cast<double>(14 * h + 3 * I) / secs;
+  say("element-wise " + std::to_string(c.hbm_bandwidth / 1e9) + " GB/s per rank (a block's norms, residuals, "
+      "rotary, SwiGLU product)");
+}
+
+// Fixed cost of one small op with autograd recording (as in training).
+void measure_op_overhead(Cluster& c, const CalibrateOptions& o, const Say& say) {
+  const int64_t R = o.ranks;
+  const double secs = concurrent_median(R, 5, [&] {
+    auto a = torch::ones({8}).requires_grad_(true), b = torch::ones({8});
+    return std::function<void()>([a, b] {
+      torch::AutoGradMode grad(true);
+      for (int i = 0; i < 200; ++i) (void)(a + b);
     });
-    c.zero3_unit_s_per_byte = secs / (2.0 * static_cast<double>(layers * width * width));
-    say("ZeRO-3 unit " + std::to_string(c.zero3_unit_s_per_byte * 1e9) + " ns per parameter byte (gathers, " +
-        "reduce-scatter and copies in a group of one)");
-  }
-  // The update as finish_step runs it, per parameter: the gradient's squared norm (fp32), the
-  // clipping scale (training.grad_clip, on by default) and dhp's AdamW (bf16 parameters and gradients, fp32 masters and moments), on 4M parameters
-  // per rank (far beyond the caches, like a real model).
-  {
-    const double secs = concurrent_median(R, 3, [&] {
-      std::vector<optim::NamedParam> ps;
-      for (int i = 0; i < 4; ++i) {
-        auto p = torch::randn({1024, 1024}).to(torch::kBFloat16).requires_grad_(true);
-        p.mutable_grad() = torch::randn({1024, 1024}).to(torch::kBFloat16);
-        ps.push_back({"p" + std::to_string(i), p, true});
-      }
-      auto adam = std::make_shared<optim::AdamW>(ps, optim::AdamWOptions{0.9, 0.95, 1e-8, 0.1});
-      return std::function<void()>([ps, adam] {
-        torch::NoGradGuard no_grad;
-        double sq = 0;
-        for (const auto& p : ps) sq += p.param.grad().to(torch::kFloat32).pow(2).sum().item<double>();
-        for (const auto& p : ps) p.param.grad().mul_(1.0 / (1.0 + std::sqrt(sq)));
-        adam->step(1e-4);
-      });
+  }) / 200;
+  c.launch_s = secs;
+  say("op overhead " + std::to_string(secs * 1e6) + " us");
+}
+
+// dhp's ZeRO-3 around its collectives: a unit of four 1024x1024 linears (4M bf16
+// parameters) run through parallel::Zero3 in a group of one, forward and backward on one
+// row (its compute is negligible): two gathers, the reduce-scatter and the copies around
+// them, per parameter byte.
+void measure_zero3_unit(Cluster& c, const CalibrateOptions& o, const Say& say) {
+  const int64_t R = o.ranks;
+  const int64_t width = 1024, layers = 4;
+  const double secs = concurrent_median(R, 4, [&] {
+    auto root = std::make_shared<torch::nn::Module>();
+    auto seq = root->register_module("u", torch::nn::Sequential());
+    for (int64_t i = 0; i < layers; ++i) seq->push_back(torch::nn::Linear(torch::nn::LinearOptions(width, width).bias(false)));
+    root->to(torch::kBFloat16);
+    std::vector<optim::NamedParam> params;
+    for (auto& kv : root->named_parameters(true)) params.push_back({kv.key(), kv.value(), true});
+    auto z = std::make_shared<parallel::Zero3>(params, std::vector<std::string>{"u"}, dist::Group());
+    auto x = torch::randn({1, width}).to(torch::kBFloat16);
+    return std::function<void()>([root, seq, z, x] {
+      torch::AutoGradMode grad(true);
+      z->run("u", [seq](const torch::Tensor& in) { return seq->forward(in); }, x).sum().backward();
     });
-    c.optimizer_s_per_param = secs / (4.0 * 1024 * 1024);
-    say("update (norm + AdamW) " + std::to_string(c.optimizer_s_per_param * 1e9) + " ns per parameter");
-  }
-  // dhp's synthetic shapes samples (drawn, patchified) as every rank makes them inside a
-  // step: 448-pixel images (1024 patches), per patch.
-  {
-    const int64_t side = 448, patches = (side / 14) * (side / 14);
-    const double secs = concurrent_median(R, 4, [&] {
-      data::ShapesOptions so;
-      so.min_side = so.max_side = side;
-      auto ds = std::make_shared<data::ShapesDataset>(qwen::preset("bench"), so);
-      auto index = std::make_shared<int64_t>(0);
-      return std::function<void()>([ds, index] { (void)ds->get((*index)++); });
+  });
+  c.zero3_unit_s_per_byte = secs / (2.0 * static_cast<double>(layers * width * width));
+  say("ZeRO-3 unit " + std::to_string(c.zero3_unit_s_per_byte * 1e9) + " ns per parameter byte (gathers, " +
+      "reduce-scatter and copies in a group of one)");
+}
+
+// The update as finish_step runs it, per parameter: the gradient's squared norm (fp32), the
+// clipping scale (training.grad_clip, on by default) and dhp's AdamW (bf16 parameters and gradients, fp32 masters and moments), on 4M parameters
+// per rank (far beyond the caches, like a real model).
+void measure_update(Cluster& c, const CalibrateOptions& o, const Say& say) {
+  const int64_t R = o.ranks;
+  const double secs = concurrent_median(R, 3, [&] {
+    std::vector<optim::NamedParam> ps;
+    for (int i = 0; i < 4; ++i) {
+      auto p = torch::randn({1024, 1024}).to(torch::kBFloat16).requires_grad_(true);
+      p.mutable_grad() = torch::randn({1024, 1024}).to(torch::kBFloat16);
+      ps.push_back({"p" + std::to_string(i), p, true});
+    }
+    auto adam = std::make_shared<optim::AdamW>(ps, optim::AdamWOptions{0.9, 0.95, 1e-8, 0.1});
+    return std::function<void()>([ps, adam] {
+      torch::NoGradGuard no_grad;
+      double sq = 0;
+      for (const auto& p : ps) sq += p.param.grad().to(torch::kFloat32).pow(2).sum().item<double>();
+      for (const auto& p : ps) p.param.grad().mul_(1.0 / (1.0 + std::sqrt(sq)));
+      adam->step(1e-4);
     });
-    c.synthetic_s_per_patch = secs / static_cast<double>(patches);
-    say("synthetic samples " + std::to_string(c.synthetic_s_per_patch * 1e6) + " us per patch");
-  }
-  // Attention forward + backward (bf16 in, fp32 math, 4 heads of 64) of segments `cu`: FLOP/s
-  // as the model charges it (forward 1x + backward 2.5x the forward's 4 x D x H x len^2 each).
+  });
+  c.optimizer_s_per_param = secs / (4.0 * 1024 * 1024);
+  say("update (norm + AdamW) " + std::to_string(c.optimizer_s_per_param * 1e9) + " ns per parameter");
+}
+
+// dhp's synthetic shapes samples (drawn, patchified) as every rank makes them inside a
+// step: 448-pixel images (1024 patches), per patch.
+void measure_samples(Cluster& c, const CalibrateOptions& o, const Say& say) {
+  const int64_t R = o.ranks;
+  const int64_t side = 448, patches = (side / 14) * (side / 14);
+  const double secs = concurrent_median(R, 4, [&] {
+    data::ShapesOptions so;
+    so.min_side = so.max_side = side;
+    auto ds = std::make_shared<data::ShapesDataset>(qwen::preset("bench"), so);
+    auto index = std::make_shared<int64_t>(0);
+    return std::function<void()>([ds, index] { (void)ds->get((*index)++); });
+  });
+  c.synthetic_s_per_patch = secs / static_cast<double>(patches);
+  say("synthetic samples " + std::to_string(c.synthetic_s_per_patch * 1e6) + " us per patch");
+}
+
+// Attention forward + backward (bf16 in, fp32 math, 4 heads of 64) of segments `cu`: FLOP/s
+// as the model charges it (forward 1x + backward 2.5x the forward's 4 x D x H x len^2 each).
+void measure_attention_rates(Cluster& c, const CalibrateOptions& o, const Say& say) {
+  const int64_t R = o.ranks;
   auto measure_attention = [&](int64_t rounds, const std::vector<int64_t>& cu) {
     const int64_t S = cu.back(), H = 4, D = 64;
     const double secs = concurrent_median(R, rounds, [&] {
@@ -398,6 +401,41 @@ Cluster calibrate_local(const CalibrateOptions& o) {
     }
     say("attention on short segments (dense path), GFLOP/s per rank by length: " + rates);
   }
+}
+
+}  // namespace
+
+Cluster calibrate_local(const CalibrateOptions& o) {
+  DHP_CHECK(o.ranks >= 1 && o.threads >= 1, "calibration needs ranks >= 1 and threads >= 1");
+  const int old_threads = torch::get_num_threads();
+  torch::set_num_threads(static_cast<int>(o.threads));
+  auto say = [&](const std::string& s) {
+    if (!o.quiet) log_info("calibrate: " + s);
+  };
+  Cluster c;
+  c.name = "local";
+  c.device = "CPU (" + std::to_string(std::thread::hardware_concurrency()) + " threads), " + blas_description();
+  c.devices_per_node = o.ranks;
+  c.nodes = 1;
+  c.memory_bytes = static_cast<double>(physical_memory()) / static_cast<double>(o.ranks);
+  c.reserved_bytes = 0;
+  c.gemm_efficiency = 1;  // the measured rates are what is reached
+  c.hbm_efficiency = 1;
+  c.attention_efficiency = 1;
+  c.attention_tile = 1;
+  c.attention_block = nn::VarlenAttentionOptions{}.block_size;  // dhp's CPU attention (training.attention_block's default)
+  c.half_all_reduce_in_fp32 = true;  // Gloo has no bf16 sum: dhp widens to fp32 (dist/comm.cpp)
+  const int64_t R = o.ranks;
+  // Collectives first, before the compute kernels leave thread pools spinning on the cores
+  // the Gloo threads need.
+  measure_collectives(c, o, say);
+  measure_gemm(c, o, say);
+  measure_elementwise(c, o, say);
+  measure_op_overhead(c, o, say);
+  measure_zero3_unit(c, o, say);
+  measure_update(c, o, say);
+  measure_samples(c, o, say);
+  measure_attention_rates(c, o, say);
   c.source = "measured by dhp plan --calibrate with " + std::to_string(R) + " rank(s) x " + std::to_string(o.threads) +
              " thread(s), element-wise in " + o.precision;
   torch::set_num_threads(old_threads);

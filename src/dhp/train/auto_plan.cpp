@@ -38,27 +38,24 @@ void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w) {
   w.synthetic_data = cfg.data.dataset == "shapes";
 }
 
-Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
-  if (parse_combination(cfg.parallel.strategy) != Combination::kAuto) return cfg;
-  Config out = cfg;
-  auto& p = out.parallel;
-  p.vision = ModuleParallelOptions();
-  p.text = ModuleParallelOptions();
-  if (world == 1) {
-    p.strategy = "none";
-    if (why) *why = "parallel.strategy=auto on one rank: none";
-    return out;
-  }
+namespace {
+
+// This machine as `world` ranks (its calibration), with training.memory_limit as the device memory.
+plan::Cluster auto_cluster(const Config& cfg, int64_t world) {
   auto c = plan::cluster_preset("localx" + std::to_string(world));
   if (const int64_t limit = parse_bytes(cfg.training.memory_limit, "training.memory_limit"); limit > 0) {
     c.memory_bytes = static_cast<double>(limit);
     c.reserved_bytes = 0;
   }
-  // The workload: the typical image of the data, its text, the configured batch.
+  return c;
+}
+
+// The workload: the typical image of the data (its side in px in `side`), its text, the
+// configured batch.
+plan::Workload auto_workload(const Config& cfg, int64_t& side) {
   const auto& m = cfg.model.config;
   const int64_t unit = m.vision.patch_size * m.vision.spatial_merge_size;
   plan::Workload w;
-  int64_t side = 0;
   if (cfg.data.dataset == "shapes") {
     side = unit * std::max<int64_t>(1, std::llround(0.5 * static_cast<double>(cfg.data.min_side + cfg.data.max_side) /
                                                     static_cast<double>(unit)));
@@ -73,11 +70,68 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
   w.micro_batches = cfg.training.micro_batches;
   w.precision = cfg.training.precision;
   w.checkpointing = cfg.training.activation_checkpointing;
+  return w;
+}
+
+// A planned module strategy as the config's parallel.<module> options on ranks first, first+1, ...
+ModuleParallelOptions to_options(const plan::ModuleStrategy& s, int64_t first) {
+  using S = dist::Strategy;
+  ModuleParallelOptions o;
+  o.strategy = dist::strategy_name(s.kind);
+  if (s.kind == S::kSequenceParallel) o.sp = s.degree;
+  if (s.kind == S::kTensorParallel) o.tp = s.degree;
+  if (s.kind == S::kSequenceParallel || s.kind == S::kTensorParallel) o.dp = s.dp;
+  for (int64_t r = 0; r < s.ranks(); ++r) o.ranks.push_back(first + r);
+  return o;
+}
+
+// The lines of resolve_auto's `why`: the choice, the runners-up, the rejections, the workload.
+std::string explain(const plan::Estimate& e, const std::vector<plan::Estimate>& ok, int64_t world, int64_t rejected,
+                    const std::string& reasons, const std::string& refused, const plan::Workload& w, int64_t side) {
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "parallel.strategy=auto on %lld ranks (%s): %s, predicted %.3f s/step, %.0f MiB per rank (of %.0f)",
+                static_cast<long long>(world), auto_calibration_path(world).c_str(), e.plan.describe().c_str(),
+                e.step_s, e.memory_bytes / 1048576.0, e.capacity_bytes / 1048576.0);
+  std::string why = line;
+  int shown = 0;
+  for (const auto& r : ok) {
+    if (&r == &e || shown == 3) continue;
+    std::snprintf(line, sizeof(line), "\n  then %s: %.3f s/step (%+.0f%%)", r.plan.describe().c_str(), r.step_s,
+                  100 * (r.step_s / e.step_s - 1));
+    why += line;
+    ++shown;
+  }
+  if (rejected) why += "\n  " + std::to_string(rejected) + " plan(s) rejected: " + reasons;
+  if (!refused.empty()) why += "\n  skipped (the runtime refused): " + refused;
+  std::snprintf(line, sizeof(line), "\n  workload: %lld patches per image (%lld px), %lld text tokens, batch %lld, %s%s",
+                static_cast<long long>(w.vision_tokens), static_cast<long long>(side),
+                static_cast<long long>(w.text_tokens), static_cast<long long>(w.batch_size), w.precision.c_str(),
+                w.checkpointing ? ", activation checkpointing" : "");
+  return why + line;
+}
+
+}  // namespace
+
+Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
+  if (parse_combination(cfg.parallel.strategy) != Combination::kAuto) return cfg;
+  Config out = cfg;
+  auto& p = out.parallel;
+  p.vision = ModuleParallelOptions();
+  p.text = ModuleParallelOptions();
+  if (world == 1) {
+    p.strategy = "none";
+    if (why) *why = "parallel.strategy=auto on one rank: none";
+    return out;
+  }
+  auto c = auto_cluster(cfg, world);
+  int64_t side = 0;
+  auto w = auto_workload(cfg, side);
   apply_runtime(cfg, c, w);
   std::vector<plan::Estimate> ok;
   std::map<std::string, int64_t> reasons;
   for (const auto& cand : plan::candidate_plans(c, "dhp")) {
-    auto e = plan::estimate(m, c, w, cand);
+    auto e = plan::estimate(cfg.model.config, c, w, cand);
     if (!e.fits) {
       const auto key = e.reason.substr(0, e.reason.find(':'));
       ++reasons[key.size() < 60 ? key : e.reason.substr(0, 60)];
@@ -86,16 +140,6 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
     ok.push_back(e);
   }
   std::stable_sort(ok.begin(), ok.end(), [](const plan::Estimate& a, const plan::Estimate& b) { return a.step_s < b.step_s; });
-  auto to_options = [&](const plan::ModuleStrategy& s, int64_t first) {
-    ModuleParallelOptions o;
-    using S = dist::Strategy;
-    o.strategy = dist::strategy_name(s.kind);
-    if (s.kind == S::kSequenceParallel) o.sp = s.degree;
-    if (s.kind == S::kTensorParallel) o.tp = s.degree;
-    if (s.kind == S::kSequenceParallel || s.kind == S::kTensorParallel) o.dp = s.dp;
-    for (int64_t r = 0; r < s.ranks(); ++r) o.ranks.push_back(first + r);
-    return o;
-  };
   int64_t rejected = 0;  // by the cost model, summarised by reason
   std::string reasons_list;
   for (const auto& [k, n] : reasons) {
@@ -114,30 +158,7 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
       if (rejected_by_dhp.empty()) rejected_by_dhp = e.plan.describe() + ": " + err.what();
       continue;
     }
-    if (why) {
-      char line[256];
-      std::snprintf(line, sizeof(line),
-                    "parallel.strategy=auto on %lld ranks (%s): %s, predicted %.3f s/step, %.0f MiB per rank "
-                    "(of %.0f)",
-                    static_cast<long long>(world), auto_calibration_path(world).c_str(), e.plan.describe().c_str(),
-                    e.step_s, e.memory_bytes / 1048576.0, e.capacity_bytes / 1048576.0);
-      *why = line;
-      int shown = 0;
-      for (const auto& r : ok) {
-        if (&r == &e || shown == 3) continue;
-        std::snprintf(line, sizeof(line), "\n  then %s: %.3f s/step (%+.0f%%)", r.plan.describe().c_str(), r.step_s,
-                      100 * (r.step_s / e.step_s - 1));
-        *why += line;
-        ++shown;
-      }
-      if (rejected) *why += "\n  " + std::to_string(rejected) + " plan(s) rejected: " + reasons_list;
-      if (!rejected_by_dhp.empty()) *why += "\n  skipped (the runtime refused): " + rejected_by_dhp;
-      std::snprintf(line, sizeof(line), "\n  workload: %lld patches per image (%lld px), %lld text tokens, batch %lld, %s%s",
-                    static_cast<long long>(w.vision_tokens), static_cast<long long>(side),
-                    static_cast<long long>(w.text_tokens), static_cast<long long>(w.batch_size), w.precision.c_str(),
-                    w.checkpointing ? ", activation checkpointing" : "");
-      *why += line;
-    }
+    if (why) *why = explain(e, ok, world, rejected, reasons_list, rejected_by_dhp, w, side);
     return trial;
   }
   DHP_FAIL("parallel.strategy=auto: no plan fits ", world, " ranks of this machine (", reasons_list,

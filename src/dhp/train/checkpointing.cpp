@@ -16,6 +16,69 @@
 
 namespace dhp::train {
 
+namespace {
+
+// This rank's file of the checkpoint in `tmp`: its pieces (and, on rank 0, the RNG state).
+// Returns "+<record>" or "!rank R: <error>", and adds the bytes it wrote to `bytes`.
+std::string write_rank_file(ParallelModel& model, const std::string& tmp, int64_t& bytes) {
+  const Runtime& rt = model.runtime();
+  try {
+    char file[32];
+    std::snprintf(file, sizeof(file), "rank-%05lld.safetensors", static_cast<long long>(rt.rank));
+    io::SliceWriter w(file);
+    const auto pieces = model.checkpoint_pieces();
+    add_pieces(w, pieces);
+    for (const auto& p : pieces)
+      if (p.write) bytes += p.data.numel() * p.data.element_size();
+    if (rt.rank == 0) {
+      auto gen = at::detail::getDefaultCPUGenerator();
+      torch::Tensor rng;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        rng = gen.get_state();
+      }
+      w.add("rng/cpu", {rng.numel()}, {0}, rng);
+    }
+    return "+" + w.write(tmp);
+  } catch (const std::exception& e) {
+    return "!rank " + std::to_string(rt.rank) + ": " + e.what();
+  }
+}
+
+// Rank 0: the manifest with every rank's record and the run's metadata, the rename that
+// commits, and the pruning of old checkpoints. Returns the error ("" when committed); a
+// failed commit removes the temporary directory.
+std::string commit(ParallelModel& model, const Config& cfg, int64_t step, int64_t samples_seen,
+                   const std::vector<std::string>& records, const std::string& tmp, const std::string& final_dir) {
+  std::string error;
+  std::vector<std::string> ok;
+  for (const auto& r : records) {
+    if (r[0] == '!' && error.empty()) error = r.substr(1);
+    ok.push_back(r.substr(1));
+  }
+  try {
+    if (!error.empty()) DHP_FAIL(error);
+    io::Json meta = io::Json::object();
+    meta.set("samples_seen", io::Json(samples_seen));  // the data stream's next position
+    meta.set("batch_size", io::Json(cfg.data.batch_size));
+    meta.set("world", io::Json(model.runtime().world));
+    meta.set("layout", io::Json(describe(model.layouts())));
+    meta.set("precision", io::Json(cfg.training.precision));
+    meta.set("dhp_version", io::Json(std::string(DHP_VERSION)));
+    Config resolved = cfg;  // to_yaml visits (non-const)
+    meta.set("config", io::Json(to_yaml(resolved)));
+    io::commit_checkpoint(tmp, final_dir, step, meta, ok);
+    io::prune_checkpoints(checkpoint_root(cfg), cfg.checkpoint.keep);
+  } catch (const std::exception& e) {
+    error = e.what();
+    std::error_code ec;
+    std::filesystem::remove_all(tmp, ec);
+  }
+  return error;
+}
+
+}  // namespace
+
 std::string save_checkpoint(ParallelModel& model, const Config& cfg, int64_t step, int64_t samples_seen) {
   const Runtime& rt = model.runtime();
   const bool main = rt.rank == 0;
@@ -36,57 +99,11 @@ std::string save_checkpoint(ParallelModel& model, const Config& cfg, int64_t ste
   error = model.all_gather_strings(error)[0];
   DHP_CHECK(error.empty(), "checkpoint ", final_dir.string(), " not written: ", error);
   // Every rank writes its pieces; the records (or the error) travel to rank 0.
-  std::string record;
   int64_t bytes = 0;
-  try {
-    char file[32];
-    std::snprintf(file, sizeof(file), "rank-%05lld.safetensors", static_cast<long long>(rt.rank));
-    io::SliceWriter w(file);
-    const auto pieces = model.checkpoint_pieces();
-    add_pieces(w, pieces);
-    for (const auto& p : pieces)
-      if (p.write) bytes += p.data.numel() * p.data.element_size();
-    if (main) {
-      auto gen = at::detail::getDefaultCPUGenerator();
-      torch::Tensor rng;
-      {
-        std::lock_guard<std::mutex> lock(gen.mutex());
-        rng = gen.get_state();
-      }
-      w.add("rng/cpu", {rng.numel()}, {0}, rng);
-    }
-    record = "+" + w.write(tmp.string());
-  } catch (const std::exception& e) {
-    record = "!rank " + std::to_string(rt.rank) + ": " + e.what();
-  }
-  const auto records = model.all_gather_strings(record);
+  const auto records = model.all_gather_strings(write_rank_file(model, tmp.string(), bytes));
   if (main && rt.restart == 0 && step == rt.faults.kill_in_save_step) ::raise(SIGKILL);
   bytes = static_cast<int64_t>(model.sum_over_job(static_cast<double>(bytes)));
-  if (main) {
-    std::vector<std::string> ok;
-    for (const auto& r : records) {
-      if (r[0] == '!' && error.empty()) error = r.substr(1);
-      ok.push_back(r.substr(1));
-    }
-    try {
-      if (!error.empty()) DHP_FAIL(error);
-      io::Json meta = io::Json::object();
-      meta.set("samples_seen", io::Json(samples_seen));  // the data stream's next position
-      meta.set("batch_size", io::Json(cfg.data.batch_size));
-      meta.set("world", io::Json(rt.world));
-      meta.set("layout", io::Json(describe(model.layouts())));
-      meta.set("precision", io::Json(cfg.training.precision));
-      meta.set("dhp_version", io::Json(std::string(DHP_VERSION)));
-      Config resolved = cfg;  // to_yaml visits (non-const)
-      meta.set("config", io::Json(to_yaml(resolved)));
-      io::commit_checkpoint(tmp.string(), final_dir.string(), step, meta, ok);
-      io::prune_checkpoints(root.string(), cfg.checkpoint.keep);
-    } catch (const std::exception& e) {
-      error = e.what();
-      std::error_code ec;
-      fs::remove_all(tmp, ec);
-    }
-  }
+  if (main) error = commit(model, cfg, step, samples_seen, records, tmp.string(), final_dir.string());
   error = model.all_gather_strings(error)[0];  // rank 0's verdict
   DHP_CHECK(error.empty(), "checkpoint ", final_dir.string(), " not written (earlier ones are kept): ", error);
   if (main) {
