@@ -109,6 +109,53 @@ std::string safetensors_dtype_name(torch::ScalarType t) {
   DHP_FAIL("dtype ", t, " has no safetensors name");
 }
 
+namespace {
+
+// One tensor's header entry, checked: dtype, shape (non-negative, no overflow), offsets inside
+// the data buffer of `data_size` bytes and matching the shape's bytes.
+TensorInfo parse_entry(const std::string& name, const Json& entry, int64_t data_size) {
+  const std::string what = "tensor \"" + name + "\"";
+  DHP_CHECK(!name.empty(), "a tensor with an empty name");
+  TensorInfo t;
+  t.name = name;
+  t.dtype_name = entry.at("dtype", what).str(what + " dtype");
+  t.dtype = safetensors_dtype(t.dtype_name);
+  const int64_t esize = element_size(t.dtype);
+  int64_t bytes = esize;
+  for (const auto& d : entry.at("shape", what).elements(what + " shape")) {
+    const int64_t v = d.integer(what + " shape");
+    DHP_CHECK(v >= 0, what, " has a negative dimension ", v);
+    DHP_CHECK(v == 0 || bytes <= std::numeric_limits<int64_t>::max() / v, what, " is too large (shape overflows)");
+    bytes *= v;
+    t.shape.push_back(v);
+  }
+  const auto& off = entry.at("data_offsets", what).elements(what + " data_offsets");
+  DHP_CHECK(off.size() == 2, what, " data_offsets must be [begin, end], got ", off.size(), " numbers");
+  t.begin = off[0].integer(what + " data_offsets");
+  t.end = off[1].integer(what + " data_offsets");
+  DHP_CHECK(t.begin >= 0 && t.begin <= t.end && t.end <= data_size, what, " data_offsets [", t.begin, ", ",
+            t.end, "] outside the data buffer of ", data_size, " bytes");
+  DHP_CHECK(t.end - t.begin == bytes, what, " has ", t.end - t.begin, " bytes but its shape and dtype ",
+            t.dtype_name, " need ", bytes);
+  return t;
+}
+
+// The tensors (sorted by offset here) cover the data buffer exactly: no overlap, gap or tail.
+void check_contiguous(std::vector<TensorInfo>& tensors, int64_t data_size) {
+  std::stable_sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  int64_t at = 0;
+  for (const auto& t : tensors) {
+    DHP_CHECK(t.begin == at, "tensor \"", t.name, "\" starts at byte ", t.begin, " of the data buffer, expected ", at,
+              t.begin < at ? " (overlaps the previous tensor)" : " (a gap before it)");
+    at = t.end;
+  }
+  DHP_CHECK(at == data_size, "the tensors cover ", at, " of the ", data_size, " data bytes (trailing bytes)");
+}
+
+}  // namespace
+
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   DHP_CHECK(fd_ >= 0, "cannot open ", path, ": ", std::strerror(errno));
@@ -150,42 +197,10 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
         for (const auto& [k, v] : entry.items("__metadata__")) metadata_[k] = v.str("__metadata__ \"" + k + "\"");
         continue;
       }
-      const std::string what = "tensor \"" + name + "\"";
-      DHP_CHECK(!name.empty(), "a tensor with an empty name");
-      TensorInfo t;
-      t.name = name;
-      t.dtype_name = entry.at("dtype", what).str(what + " dtype");
-      t.dtype = safetensors_dtype(t.dtype_name);
-      const int64_t esize = element_size(t.dtype);
-      int64_t bytes = esize;
-      for (const auto& d : entry.at("shape", what).elements(what + " shape")) {
-        const int64_t v = d.integer(what + " shape");
-        DHP_CHECK(v >= 0, what, " has a negative dimension ", v);
-        DHP_CHECK(v == 0 || bytes <= std::numeric_limits<int64_t>::max() / v, what, " is too large (shape overflows)");
-        bytes *= v;
-        t.shape.push_back(v);
-      }
-      const auto& off = entry.at("data_offsets", what).elements(what + " data_offsets");
-      DHP_CHECK(off.size() == 2, what, " data_offsets must be [begin, end], got ", off.size(), " numbers");
-      t.begin = off[0].integer(what + " data_offsets");
-      t.end = off[1].integer(what + " data_offsets");
-      DHP_CHECK(t.begin >= 0 && t.begin <= t.end && t.end <= data_size, what, " data_offsets [", t.begin, ", ",
-                t.end, "] outside the data buffer of ", data_size, " bytes");
-      DHP_CHECK(t.end - t.begin == bytes, what, " has ", t.end - t.begin, " bytes but its shape and dtype ",
-                t.dtype_name, " need ", bytes);
       index_[name] = tensors_.size();
-      tensors_.push_back(std::move(t));
+      tensors_.push_back(parse_entry(name, entry, data_size));
     }
-    std::stable_sort(tensors_.begin(), tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-    });
-    int64_t at = 0;
-    for (const auto& t : tensors_) {
-      DHP_CHECK(t.begin == at, "tensor \"", t.name, "\" starts at byte ", t.begin, " of the data buffer, expected ", at,
-                t.begin < at ? " (overlaps the previous tensor)" : " (a gap before it)");
-      at = t.end;
-    }
-    DHP_CHECK(at == data_size, "the tensors cover ", at, " of the ", data_size, " data bytes (trailing bytes)");
+    check_contiguous(tensors_, data_size);
     for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
   } catch (const Error& e) {
     fail_closed(e.what());
