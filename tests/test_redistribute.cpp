@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <set>
 #include <mutex>
 
 #include "dhp/core/error.h"
@@ -84,12 +85,12 @@ TEST_P(Redistribute, EverySampleReachesEveryRankOfItsReplicaAndGradientsComeBack
   std::map<int64_t, torch::Tensor> vision_held, text_grads;
   for (auto r : pl.vision.ranks) vision_held[r] = rows_of(chunk_of(pl.vision, r), 1.0);
   for (auto r : pl.text.ranks) text_grads[r] = rows_of(chunk_of(pl.text, r), 10.0);
-  ASSERT_EQ(plan.text_rows.size(), pl.text.ranks.size());
-  const auto got = simulate(plan.forward, vision_held, plan.text_rows);
+  ASSERT_EQ(plan.decoder_rows.size(), pl.text.ranks.size());
+  const auto got = simulate(plan.forward, vision_held, plan.decoder_rows);
   for (auto r : pl.text.ranks) {
     EXPECT_TRUE(torch::equal(got.at(r), rows_of(chunk_of(pl.text, r), 1.0))) << "text rank " << r;
   }
-  const auto back = simulate(plan.backward, text_grads, plan.vision_rows);
+  const auto back = simulate(plan.backward, text_grads, plan.encoder_rows);
   for (auto r : pl.vision.ranks) {
     EXPECT_TRUE(torch::equal(back.at(r), rows_of(chunk_of(pl.vision, r), 10.0))) << "vision rank " << r;
   }
@@ -110,8 +111,8 @@ TEST(Redistribute, TextOnlySampleAndEmptyReplicaGetNoRows) {
   const auto v = layout("vision", "none", {0}, 1, 1, 1);
   const auto t = layout("text", "dp", {1, 2}, 2, 1, 1);
   const auto plan = plan_redistribute(v, t, rows);
-  EXPECT_EQ(plan.text_rows.at(1), 5);
-  EXPECT_EQ(plan.text_rows.at(2), 0);
+  EXPECT_EQ(plan.decoder_rows.at(1), 5);
+  EXPECT_EQ(plan.decoder_rows.at(2), 0);
   ASSERT_EQ(plan.forward.size(), 1u);
   EXPECT_EQ(plan.forward[0].dst, 1);
   for (const auto& p : plan.backward) EXPECT_NE(p.src, 2);
@@ -132,7 +133,7 @@ TEST(Redistribute, PointToPointMovesRowsAndGradients) {
       if (v) dhp::parallel::send_pieces(plan.forward, held, job, rank, 0);
       torch::Tensor in, grad;
       if (t) {
-        in = dhp::parallel::recv_pieces(plan.forward, held, plan.text_rows.at(rank), kCols, torch::kFloat32, job,
+        in = dhp::parallel::recv_pieces(plan.forward, held, plan.decoder_rows.at(rank), kCols, torch::kFloat32, job,
                                         rank, 0);
       }
       const auto forward_calls = dhp::dist::comm_stats().calls - before.calls;
@@ -141,7 +142,7 @@ TEST(Redistribute, PointToPointMovesRowsAndGradients) {
         dhp::parallel::send_pieces(plan.backward, grad, job, rank, 1);
       }
       torch::Tensor vg;
-      if (v) vg = dhp::parallel::recv_pieces(plan.backward, grad, plan.vision_rows.at(rank), kCols, torch::kFloat32,
+      if (v) vg = dhp::parallel::recv_pieces(plan.backward, grad, plan.encoder_rows.at(rank), kCols, torch::kFloat32,
                                              job, rank, 1);
       job.wait_sends();
       std::lock_guard<std::mutex> lock(mu);
@@ -178,20 +179,23 @@ TEST(Redistribute, RowsAlreadyInPlaceAreNotCopied) {
 TEST(Schedule, DisjointPipelinedRunsVisionOneMicroBatchAhead) {
   const auto v = layout("vision", "sp", {0, 1}, 1, 2, 1);
   const auto t = layout("text", "tp", {2, 3}, 1, 1, 2);
-  EXPECT_TRUE(dhp::train::disjoint(v, t));
-  using dhp::train::make_schedule;
-  using dhp::train::to_string;
-  EXPECT_EQ(to_string(make_schedule(v, t, 0, 3, true)), "VF0 SA0 VF1 SA1 RG0 VB0 VF2 SA2 RG1 VB1 RG2 VB2");
-  EXPECT_EQ(to_string(make_schedule(v, t, 3, 3, true)), "RA0 TFB0 SG0 RA1 TFB1 SG1 RA2 TFB2 SG2");
-  EXPECT_EQ(to_string(make_schedule(v, t, 1, 3, false)), "VF0 SA0 RG0 VB0 VF1 SA1 RG1 VB1 VF2 SA2 RG2 VB2");
-  EXPECT_EQ(to_string(make_schedule(v, t, 0, 1, true)), "VF0 SA0 RG0 VB0");
+  const std::vector<ModuleLayout> m{v, t};
+  EXPECT_TRUE(dhp::train::disjoint(m));
+  auto sched = [&](int64_t rank, int64_t n, bool pipelined) {
+    return dhp::train::to_string(dhp::train::make_schedule(m, rank, n, pipelined), m);
+  };
+  EXPECT_EQ(sched(0, 3, true), "VF0 SA0 VF1 SA1 RG0 VB0 VF2 SA2 RG1 VB1 RG2 VB2");
+  EXPECT_EQ(sched(3, 3, true), "RA0 TFB0 SG0 RA1 TFB1 SG1 RA2 TFB2 SG2");
+  EXPECT_EQ(sched(1, 3, false), "VF0 SA0 RG0 VB0 VF1 SA1 RG1 VB1 VF2 SA2 RG2 VB2");
+  EXPECT_EQ(sched(0, 1, true), "VF0 SA0 RG0 VB0");
   // Every vision forward is sent, every gradient received, each exactly once, in order.
   for (int64_t n = 1; n <= 5; ++n) {
-    const auto s = make_schedule(v, t, 0, n, true);
+    const auto s = dhp::train::make_schedule(m, 0, n, true);
     int64_t vf = 0, vb = 0, in_flight_max = 0;
     for (const auto& a : s) {
-      if (a.op == dhp::train::Op::kVisionForward) EXPECT_EQ(a.micro_batch, vf++);
-      if (a.op == dhp::train::Op::kVisionBackward) EXPECT_EQ(a.micro_batch, vb++);
+      EXPECT_EQ(a.module, 0);
+      if (a.op == dhp::train::Op::kEncode) EXPECT_EQ(a.micro_batch, vf++);
+      if (a.op == dhp::train::Op::kEncodeBackward) EXPECT_EQ(a.micro_batch, vb++);
       in_flight_max = std::max(in_flight_max, vf - vb);
     }
     EXPECT_EQ(vf, n);
@@ -203,10 +207,43 @@ TEST(Schedule, DisjointPipelinedRunsVisionOneMicroBatchAhead) {
 TEST(Schedule, ARankHostingBothModulesRunsSequentially) {
   const auto v = layout("vision", "sp", {0, 1, 2, 3}, 1, 4, 1);
   const auto t = layout("text", "tp", {2, 3}, 1, 1, 2);
-  EXPECT_FALSE(dhp::train::disjoint(v, t));
-  EXPECT_EQ(dhp::train::to_string(dhp::train::make_schedule(v, t, 2, 2, true)),
+  const std::vector<ModuleLayout> m{v, t};
+  EXPECT_FALSE(dhp::train::disjoint(m));
+  EXPECT_EQ(dhp::train::to_string(dhp::train::make_schedule(m, 2, 2, true), m),
             "VF0 SA0 RA0 TFB0 SG0 RG0 VB0 VF1 SA1 RA1 TFB1 SG1 RG1 VB1");
-  EXPECT_EQ(dhp::train::to_string(dhp::train::make_schedule(v, t, 0, 2, true)), "VF0 SA0 RG0 VB0 VF1 SA1 RG1 VB1");
+  EXPECT_EQ(dhp::train::to_string(dhp::train::make_schedule(m, 0, 2, true), m), "VF0 SA0 RG0 VB0 VF1 SA1 RG1 VB1");
+}
+
+// A second encoder is one more entry in the module list: the decoder receives from both
+// before its forward and answers both after its backward; a rank hosting both encoders runs
+// them in module order; every transfer has its own tag.
+TEST(Schedule, ASecondEncoderIsAnotherEntry) {
+  const auto v = layout("vision", "sp", {0, 1}, 1, 2, 1);
+  const auto a = layout("audio", "none", {1}, 1, 1, 1);
+  const auto t = layout("text", "tp", {2, 3}, 1, 1, 2);
+  const std::vector<ModuleLayout> m{v, a, t};
+  EXPECT_TRUE(dhp::train::disjoint(m));
+  auto sched = [&](int64_t rank, int64_t n, bool pipelined) {
+    return dhp::train::to_string(dhp::train::make_schedule(m, rank, n, pipelined), m);
+  };
+  EXPECT_EQ(sched(0, 2, true), "VF0 SA0:vision VF1 SA1:vision RG0:vision VB0 RG1:vision VB1");
+  EXPECT_EQ(sched(1, 2, true),
+            "VF0 SA0:vision AF0 SA0:audio VF1 SA1:vision AF1 SA1:audio RG0:vision VB0 RG0:audio AB0 "
+            "RG1:vision VB1 RG1:audio AB1");
+  EXPECT_EQ(sched(2, 1, true), "RA0:vision RA0:audio TFB0 SG0:vision SG0:audio");
+  // Colocated on rank 2: sequential.
+  const std::vector<ModuleLayout> c{v, layout("audio", "none", {2}, 1, 1, 1), t};
+  EXPECT_FALSE(dhp::train::disjoint(c));
+  EXPECT_EQ(dhp::train::to_string(dhp::train::make_schedule(c, 2, 1, true), c),
+            "AF0 SA0:audio RA0:vision RA0:audio TFB0 SG0:vision SG0:audio RG0:audio AB0");
+  std::set<int64_t> tags;
+  for (int64_t mb = 0; mb < 3; ++mb)
+    for (int64_t e = 0; e < 2; ++e)
+      for (auto op : {dhp::train::Op::kSendActivations, dhp::train::Op::kSendGrads})
+        EXPECT_TRUE(tags.insert(dhp::train::transfer_tag({op, mb, e}, 2)).second);
+  // One encoder: the tags of before (2i forward, 2i+1 backward).
+  EXPECT_EQ(dhp::train::transfer_tag({dhp::train::Op::kRecvActivations, 3, 0}, 1), 6);
+  EXPECT_EQ(dhp::train::transfer_tag({dhp::train::Op::kRecvGrads, 3, 0}, 1), 7);
 }
 
 }  // namespace

@@ -24,90 +24,23 @@
 #include "dhp/core/error.h"
 #include "dhp/train/trainer.h"
 #include "ranks.h"
+#include "support/parity_matrix.h"
 
 namespace {
 
 using dhp::testing::run_ranks;
 
-struct Case {
-  const char* name;
-  int64_t world;
-  std::vector<std::string> sets;  // parallel.* keys
-};
-// Test logs name the case instead of dumping its bytes.
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
-std::vector<std::string> with(std::vector<std::string> sets, const std::string& extra) {
-  sets.push_back(extra);
-  return sets;
-}
-
-// Vision on rank 0 alone, text tp=2 on ranks 1-2; vision sp=2 on 0-1, text tp=2 on 2-3.
-const std::vector<std::string> kVisionOneTextTp2 = {
-    "parallel.strategy=custom", "parallel.vision.strategy=none", "parallel.vision.ranks=[0]",
-    "parallel.text.strategy=tp", "parallel.text.ranks=[1,2]", "training.micro_batches=4"};
-const std::vector<std::string> kSp2TextTp2Disjoint = {"parallel.strategy=dhp", "parallel.vision.ranks=[0,1]",
-                                                      "parallel.text.ranks=[2,3]", "training.micro_batches=4"};
-
-// Named combinations and custom pairs. Degrees left out are derived (see resolve_layouts).
-const std::vector<Case> kCases = {
-    // 2 ranks: the named combinations
-    {"dhp_2", 2, {"parallel.strategy=dhp"}},
-    {"tp_2", 2, {"parallel.strategy=tp"}},
-    {"zero3_2", 2, {"parallel.strategy=zero3"}},
-    {"dp_2", 2, {"parallel.strategy=dp"}},
-    // 2 ranks: every other vision x text pair
-    {"sp_zero3_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=zero3"}},
-    {"sp_dp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=dp"}},
-    {"sp_zero0_tp_2", 2, {"parallel.strategy=dhp", "parallel.vision.zero=0"}},
-    {"tp_zero3_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=zero3"}},
-    {"tp_dp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=dp"}},
-    {"zero3_tp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=tp"}},
-    {"zero3_dp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=dp"}},
-    {"dp_tp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=dp", "parallel.text.strategy=tp"}},
-    {"dp_zero3_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=dp", "parallel.text.strategy=zero3"}},
-    {"tp_zero1_2", 2, {"parallel.strategy=tp", "parallel.text.zero=1", "parallel.vision.zero=1"}},
-    // 4 ranks
-    {"dhp_4", 4, {"parallel.strategy=dhp"}},
-    {"tp_4", 4, {"parallel.strategy=tp"}},
-    {"zero3_4", 4, {"parallel.strategy=zero3"}},
-    {"dp_4", 4, {"parallel.strategy=dp"}},
-    {"sp4_tp2x2_4", 4, {"parallel.strategy=dhp", "parallel.text.tp=2"}},        // vision 1 replica, text 2
-    {"sp2x2_tp2x2_4", 4, {"parallel.strategy=dhp", "parallel.vision.sp=2", "parallel.text.tp=2"}},
-    {"dp4_tp2x2_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=dp", "parallel.text.strategy=tp",
-                        "parallel.text.tp=2"}},
-    {"tp2x2_zero3_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.vision.tp=2",
-                          "parallel.text.strategy=zero3"}},
-    {"zero3_tp4_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=tp"}},
-    {"sp4_dp_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=dp"}},
-    {"tp4_zero3_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=zero3"}},
-    // Placement: unequal group sizes, disjoint and overlapping rank sets, 4 micro-batches.
-    {"sp2_tp2x2_overlap_mb4_4", 4, {"parallel.strategy=dhp", "parallel.vision.ranks=[0,1]", "parallel.text.tp=2",
-                                    "training.micro_batches=4"}},
-    {"v1_tp2_disjoint_3", 3, kVisionOneTextTp2},
-    {"v1_tp2_disjoint_seq_3", 3, with(kVisionOneTextTp2, "parallel.pipeline=false")},
-    {"sp2_tp2_disjoint_4", 4, kSp2TextTp2Disjoint},
-    {"sp2_tp2_disjoint_seq_4", 4, with(kSp2TextTp2Disjoint, "parallel.pipeline=false")},
-    {"v1_dp3_disjoint_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=none", "parallel.vision.ranks=[0]",
-                              "parallel.text.strategy=dp", "parallel.text.ranks=[1,2,3]"}},
-    {"sp4_tp2_overlap_4", 4, {"parallel.strategy=dhp", "parallel.text.ranks=[2,3]"}},
-    {"zero3_v2_tp2_disjoint_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=zero3",
-                                    "parallel.vision.ranks=[2,3]", "parallel.text.strategy=tp",
-                                    "parallel.text.ranks=[0,1]", "training.micro_batches=4"}},
-};
+using dhp::testing::ParityCase;
+using dhp::testing::kSp2TextTp2Disjoint;
+using dhp::testing::kVisionOneTextTp2;
+using dhp::testing::with;
+using Case = ParityCase;
+const std::vector<Case>& kCases = dhp::testing::parity_matrix();
 
 constexpr int kSteps = 3;
 constexpr double kRel = 1e-5;
 
-dhp::Config config(const std::vector<std::string>& sets) {
-  // Demo widths with 8 query / 4 kv heads so text tp=4 divides them; images 56..168 px.
-  std::vector<std::string> base = {"data.batch_size=8", "training.micro_batches=2", "data.min_side=56",
-                                   "data.max_side=168", "training.steps=10", "training.warmup_steps=1",
-                                   "data.eval_samples=0", "model.text.num_heads=8", "model.text.num_kv_heads=4",
-                                   "model.text.mrope_section=[2,3,3]", "parallel.timeout_s=60"};
-  base.insert(base.end(), sets.begin(), sets.end());
-  return dhp::load_config("", base);
-}
+dhp::Config config(const std::vector<std::string>& sets) { return dhp::testing::parity_config(sets); }
 
 const std::vector<std::string> kLinearAdam = {"training.eps=1", "training.lr=0.1", "training.min_lr=0.01"};
 

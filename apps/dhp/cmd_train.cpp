@@ -73,18 +73,16 @@ Config choose_auto(const Config& cfg, int64_t world, const std::optional<launch:
 
 // --print-schedule: each rank's modules and the actions of one step.
 void print_schedule(const Config& cfg, const train::Layouts& layouts, int64_t world) {
-  const auto& enc = layouts.encoder();
-  const auto& dec = layouts.decoder();
   std::printf("%lld rank(s): %s; %lld micro-batch(es) per step, %s\n", static_cast<long long>(world),
               train::describe(layouts).c_str(), static_cast<long long>(cfg.training.micro_batches),
-              cfg.parallel.pipeline && train::disjoint(enc, dec) ? "pipelined" : "sequential");
+              cfg.parallel.pipeline && train::disjoint(layouts.modules) ? "pipelined" : "sequential");
   for (int64_t r = 0; r < world; ++r) {
     std::string hosts;
     for (const auto& m : layouts.modules) {
       if (m.module_rank(r) >= 0) hosts += (hosts.empty() ? "" : "+") + m.name;
     }
-    const auto actions = train::make_schedule(enc, dec, r, cfg.training.micro_batches, cfg.parallel.pipeline);
-    std::printf("rank %lld [%s]: %s\n", static_cast<long long>(r), hosts.c_str(), train::to_string(actions).c_str());
+    const auto actions = train::make_schedule(layouts.modules, r, cfg.training.micro_batches, cfg.parallel.pipeline);
+    std::printf("rank %lld [%s]: %s\n", static_cast<long long>(r), hosts.c_str(), train::to_string(actions, layouts.modules).c_str());
   }
 }
 

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -20,6 +21,7 @@
 #include "dhp/core/machine.h"
 #include "dhp/data/shapes.h"
 #include "dhp/dist/comm.h"
+#include "dhp/dist/layout.h"
 #include "dhp/io/json.h"
 #include "dhp/io/safetensors.h"
 #include "dhp/nn/attention.h"
@@ -85,137 +87,152 @@ namespace {
 
 using Say = std::function<void(const std::string&)>;
 
+constexpr int kReps = 9;    // timed calls per kind and round
+constexpr int kRounds = 3;  // rounds of every kind, interleaved: a neighbour's burst hits one
+enum { kSmall, kReduce, kGather, kA2a, kKinds };
+constexpr int64_t kBigFloats = 4 << 20;  // 16 MB
+// (GEMMs per stretch, stretches): from ~0.1 ms to ~0.2 s of compute between collectives
+// (per 2 ranks; 4 ranks sharing 2 cores take twice as long).
+const std::vector<std::pair<int, int>> kSyncChunks = {{1, 256}, {8, 64}, {64, 16}, {512, 6}, {2048, 4}};
+constexpr int kSyncRounds = 3;
+
+// One rank's measurements.
+struct RankTimings {
+  std::vector<std::vector<double>> calls;  // [kind][round * kReps + i]: seconds of one call
+  std::vector<std::array<std::vector<double>, 2>> sync;  // [stretch][compute, inside the collective][round]
+};
+
+// Each call starts after a barrier (no skew carried over from the previous one).
+void time_calls(dist::Group& g, int64_t R, RankTimings& out) {
+  auto s = torch::ones({256}), l = torch::ones({kBigFloats}), part = torch::ones({kBigFloats / R});
+  std::vector<int64_t> rows(static_cast<size_t>(R), kBigFloats / R);
+  const std::function<void()> ops[kKinds] = {[&] { g.all_reduce_sum_(s); }, [&] { g.all_reduce_sum_(l); },
+                                             [&] { (void)g.all_gather(part, 0); },
+                                             [&] { (void)g.all_to_all(l, rows, rows); }};
+  out.calls.assign(kKinds, std::vector<double>(kRounds * kReps));
+  for (int round = 0; round < kRounds; ++round) {
+    for (int k = 0; k < kKinds; ++k) {
+      ops[k]();  // warm-up
+      for (int i = 0; i < kReps; ++i) {
+        g.barrier();
+        const auto t0 = Clock::now();
+        ops[k]();
+        out.calls[static_cast<size_t>(k)][static_cast<size_t>(round * kReps + i)] = seconds_since(t0);
+      }
+    }
+  }
+}
+
+// Collectives between stretches of compute, as in training: every rank runs `chunk` bf16
+// GEMMs then a small all-reduce, `iters` times, timing the compute and the time inside the
+// all-reduce apart. The latter is what a collective costs once the ranks have computed
+// apart: its latency plus waiting for the last to arrive.
+void time_sync(dist::Group& g, RankTimings& out) {
+  auto s = torch::ones({256});
+  auto a = torch::randn({256, 256}).to(torch::kBFloat16), b = torch::randn({256, 256}).to(torch::kBFloat16);
+  out.sync.assign(kSyncChunks.size(), {std::vector<double>(kSyncRounds), std::vector<double>(kSyncRounds)});
+  for (int round = 0; round < kSyncRounds; ++round) {
+    for (size_t j = 0; j < kSyncChunks.size(); ++j) {
+      g.barrier();
+      double compute = 0, inside = 0;
+      for (int i = 0; i < kSyncChunks[j].second; ++i) {
+        const auto t0 = Clock::now();
+        for (int k = 0; k < kSyncChunks[j].first; ++k) (void)torch::matmul(a, b);
+        const auto t1 = Clock::now();
+        g.all_reduce_sum_(s);
+        compute += std::chrono::duration<double>(t1 - t0).count();
+        inside += seconds_since(t1);
+      }
+      out.sync[j][0][static_cast<size_t>(round)] = compute / kSyncChunks[j].second;
+      out.sync[j][1][static_cast<size_t>(round)] = inside / kSyncChunks[j].second;
+    }
+  }
+}
+
+// Every rank of a Gloo group of R threads measures; returns their timings.
+std::vector<RankTimings> time_ranks(int64_t R) {
+  auto store = dist::make_hash_store();
+  std::vector<RankTimings> t(static_cast<size_t>(R));
+  const auto ranks = dist::iota_ranks(R);
+  std::vector<std::thread> th;
+  std::mutex mu;
+  std::string error;
+  for (int64_t r = 0; r < R; ++r) {
+    th.emplace_back([&, r] {
+      try {
+        dist::Group g(store, "calibrate", ranks, r, std::chrono::milliseconds(60000));
+        time_calls(g, R, t[static_cast<size_t>(r)]);
+        time_sync(g, t[static_cast<size_t>(r)]);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = e.what();
+      }
+    });
+  }
+  for (auto& x : th) x.join();
+  DHP_CHECK(error.empty(), "calibrating the collectives: ", error);
+  return t;
+}
+
+// A call takes the slowest rank's time; per round the fastest call counts (the link's
+// capability: on a shared machine the others measure the neighbours); the median of the rounds.
+double best_of_slowest(const std::vector<RankTimings>& t, int k) {
+  std::vector<double> per_round;
+  for (int round = 0; round < kRounds; ++round) {
+    double best = 1e30;
+    for (int i = 0; i < kReps; ++i) {
+      double m = 0;
+      for (const auto& rank : t) m = std::max(m, rank.calls[static_cast<size_t>(k)][static_cast<size_t>(round * kReps + i)]);
+      best = std::min(best, m);
+    }
+    per_round.push_back(best);
+  }
+  std::sort(per_round.begin(), per_round.end());
+  return per_round[per_round.size() / 2];
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 // Collectives over loopback (Gloo): latency from a small all-reduce; bus bandwidths from
-// 16 MB all-reduce, all-gather and all-to-all buffers. First, before the compute kernels
-// leave thread pools spinning on the cores the Gloo threads need.
+// 16 MB all-reduce, all-gather and all-to-all buffers; the cost of a collective after each
+// length of compute. First, before the compute kernels leave thread pools spinning on the
+// cores the Gloo threads need.
 void measure_collectives(Cluster& c, const CalibrateOptions& o, const Say& say) {
   const int64_t R = o.ranks;
-  if (R > 1) {
-    auto store = dist::make_hash_store();
-    // Each call starts after a barrier (no skew carried over from the previous one); a call
-    // takes the slowest rank's time; the fastest of the repetitions counts (the link's
-    // capability: on a shared machine the others measure the neighbours).
-    constexpr int kReps = 9;
-    enum { kSmall, kReduce, kGather, kA2a, kKinds };
-    constexpr int kRounds = 3;  // rounds of every kind, interleaved: a neighbour's burst hits one
-    std::vector<std::vector<std::vector<double>>> t(
-        static_cast<size_t>(R), std::vector<std::vector<double>>(kKinds, std::vector<double>(kRounds * kReps)));
-    // (GEMMs per stretch, stretches): from ~0.1 ms to ~0.2 s of compute between collectives
-    // (per 2 ranks; 4 ranks sharing 2 cores take twice as long); [rank][stretch][compute,
-    // inside the collective][round].
-    const std::vector<std::pair<int, int>> kSyncChunks = {{1, 256}, {8, 64}, {64, 16}, {512, 6}, {2048, 4}};
-    constexpr int kSyncRounds = 3;
-    std::vector<std::vector<std::vector<std::vector<double>>>> sync(
-        static_cast<size_t>(R), std::vector<std::vector<std::vector<double>>>(
-                                    kSyncChunks.size(), std::vector<std::vector<double>>(2, std::vector<double>(kSyncRounds))));
-    std::vector<int64_t> ranks;
-    for (int64_t r = 0; r < R; ++r) ranks.push_back(r);
-    const int64_t big = 4 << 20;  // floats: 16 MB
-    std::vector<std::thread> th;
-    std::mutex mu;
-    std::string error;
-    for (int64_t r = 0; r < R; ++r) {
-      th.emplace_back([&, r] {
-        try {
-          dist::Group g(store, "calibrate", ranks, r, std::chrono::milliseconds(60000));
-          auto s = torch::ones({256}), l = torch::ones({big}), part = torch::ones({big / R});
-          std::vector<int64_t> rows(static_cast<size_t>(R), big / R);
-          const std::function<void()> ops[kKinds] = {[&] { g.all_reduce_sum_(s); }, [&] { g.all_reduce_sum_(l); },
-                                                     [&] { (void)g.all_gather(part, 0); },
-                                                     [&] { (void)g.all_to_all(l, rows, rows); }};
-          for (int round = 0; round < kRounds; ++round) {
-            for (int k = 0; k < kKinds; ++k) {
-              ops[k]();  // warm-up
-              for (int i = 0; i < kReps; ++i) {
-                g.barrier();
-                const auto t0 = Clock::now();
-                ops[k]();
-                t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(round * kReps + i)] =
-                    seconds_since(t0);
-              }
-            }
-          }
-          // Collectives between stretches of compute, as in training: every rank runs `chunk`
-          // bf16 GEMMs then a small all-reduce, `iters` times, timing the compute and the time
-          // inside the all-reduce apart. The latter is what a collective costs once the ranks
-          // have computed apart: its latency plus waiting for the last to arrive.
-          auto a = torch::randn({256, 256}).to(torch::kBFloat16), b = torch::randn({256, 256}).to(torch::kBFloat16);
-          for (int round = 0; round < kSyncRounds; ++round) {
-            for (size_t j = 0; j < kSyncChunks.size(); ++j) {
-              g.barrier();
-              double compute = 0, inside = 0;
-              for (int i = 0; i < kSyncChunks[j].second; ++i) {
-                const auto t0 = Clock::now();
-                for (int k = 0; k < kSyncChunks[j].first; ++k) (void)torch::matmul(a, b);
-                const auto t1 = Clock::now();
-                g.all_reduce_sum_(s);
-                compute += std::chrono::duration<double>(t1 - t0).count();
-                inside += seconds_since(t1);
-              }
-              auto& out = sync[static_cast<size_t>(r)][j];
-              out[0][static_cast<size_t>(round)] = compute / kSyncChunks[j].second;
-              out[1][static_cast<size_t>(round)] = inside / kSyncChunks[j].second;
-            }
-          }
-        } catch (const std::exception& e) {
-          std::lock_guard<std::mutex> lock(mu);
-          error = e.what();
-        }
-      });
-    }
-    for (auto& x : th) x.join();
-    DHP_CHECK(error.empty(), "calibrating the collectives: ", error);
-    // Per round the fastest call (its slowest rank); the median of the rounds.
-    auto best_of_slowest = [&](int k) {
-      std::vector<double> per_round;
-      for (int round = 0; round < kRounds; ++round) {
-        double best = 1e30;
-        for (int i = 0; i < kReps; ++i) {
-          double m = 0;
-          for (int64_t r = 0; r < R; ++r) {
-            m = std::max(m, t[static_cast<size_t>(r)][static_cast<size_t>(k)][static_cast<size_t>(round * kReps + i)]);
-          }
-          best = std::min(best, m);
-        }
-        per_round.push_back(best);
-      }
-      std::sort(per_round.begin(), per_round.end());
-      return per_round[per_round.size() / 2];
-    };
-    const double lat = best_of_slowest(kSmall), bytes = 4.0 * static_cast<double>(big);
-    const double frac = static_cast<double>(R - 1) / static_cast<double>(R);
-    auto bw = [&](double secs, double factor) { return factor * frac * bytes / std::max(secs - lat, 1e-9); };
-    c.intra.latency_s = lat;
-    c.intra.bus_bandwidth = bw(best_of_slowest(kReduce), 2);
-    c.intra.gather_bandwidth = bw(best_of_slowest(kGather), 1);
-    c.intra.a2a_bandwidth = bw(best_of_slowest(kA2a), 1);
-    // Per stretch length: the ranks' mean compute per stretch and time inside the collective,
-    // each the median of the rounds.
-    for (size_t j = 0; j < kSyncChunks.size(); ++j) {
-      double compute = 0, inside = 0;
-      for (int64_t r = 0; r < R; ++r) {
-        for (int w = 0; w < 2; ++w) {
-          auto v = sync[static_cast<size_t>(r)][j][static_cast<size_t>(w)];
-          std::sort(v.begin(), v.end());
-          (w ? inside : compute) += v[v.size() / 2] / static_cast<double>(R);
-        }
-      }
-      c.intra.sync_interval_s.push_back(compute);
-      c.intra.sync_cost_s.push_back(std::max(lat, inside));
-    }
-    c.inter = c.intra;
-    std::string table;
-    for (size_t j = 0; j < kSyncChunks.size(); ++j) {
-      table += (j ? ", " : "") + std::to_string(c.intra.sync_cost_s[j] * 1e3) + " ms after " +
-               std::to_string(c.intra.sync_interval_s[j] * 1e3) + " ms";
-    }
-    say("collectives between compute: " + table);
-    say("collectives: latency " + std::to_string(lat * 1e3) + " ms; bus bandwidth all-reduce " +
-        std::to_string(c.intra.bus_bandwidth / 1e9) + ", all-gather " + std::to_string(c.intra.gather_bandwidth / 1e9) +
-        ", all-to-all " + std::to_string(c.intra.a2a_bandwidth / 1e9) + " GB/s");
-  } else {
+  if (R <= 1) {
     c.intra = c.inter = {1e12, 0, 0, 0};
+    return;
   }
+  const auto t = time_ranks(R);
+  const double lat = best_of_slowest(t, kSmall), bytes = 4.0 * static_cast<double>(kBigFloats);
+  const double frac = static_cast<double>(R - 1) / static_cast<double>(R);
+  auto bw = [&](double secs, double factor) { return factor * frac * bytes / std::max(secs - lat, 1e-9); };
+  c.intra.latency_s = lat;
+  c.intra.bus_bandwidth = bw(best_of_slowest(t, kReduce), 2);
+  c.intra.gather_bandwidth = bw(best_of_slowest(t, kGather), 1);
+  c.intra.a2a_bandwidth = bw(best_of_slowest(t, kA2a), 1);
+  // Per stretch length: the ranks' mean compute per stretch and time inside the collective,
+  // each the median of the rounds.
+  std::string table;
+  for (size_t j = 0; j < kSyncChunks.size(); ++j) {
+    double compute = 0, inside = 0;
+    for (const auto& rank : t) {
+      compute += median(rank.sync[j][0]) / static_cast<double>(R);
+      inside += median(rank.sync[j][1]) / static_cast<double>(R);
+    }
+    c.intra.sync_interval_s.push_back(compute);
+    c.intra.sync_cost_s.push_back(std::max(lat, inside));
+    table += (j ? ", " : "") + std::to_string(c.intra.sync_cost_s[j] * 1e3) + " ms after " +
+             std::to_string(compute * 1e3) + " ms";
+  }
+  c.inter = c.intra;
+  say("collectives between compute: " + table);
+  say("collectives: latency " + std::to_string(lat * 1e3) + " ms; bus bandwidth all-reduce " +
+      std::to_string(c.intra.bus_bandwidth / 1e9) + ", all-gather " + std::to_string(c.intra.gather_bandwidth / 1e9) +
+      ", all-to-all " + std::to_string(c.intra.a2a_bandwidth / 1e9) + " GB/s");
 }
 
 // GEMM rate per rank with every rank busy, as training runs them: a linear layer's forward

@@ -6,7 +6,7 @@
 #include <malloc.h>
 
 #include <cstdlib>
-#include <torch/version.h>
+#include "dhp/core/torch_version.h"
 
 #include <atomic>
 #include <cctype>
@@ -38,7 +38,7 @@ void delete_block(void* data) {
 
 class AccountingAllocator final : public c10::Allocator {
  public:
-#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 3
+#if DHP_TORCH_AT_LEAST(2, 3)
   c10::DataPtr allocate(size_t n) override { return do_allocate(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);

@@ -6,9 +6,11 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
-// A CUDA libtorch defines USE_C10D_NCCL on its targets; the CPU build never sees NCCL.
-#if defined(USE_C10D_NCCL) && !defined(DHP_NO_NCCL)
-#define DHP_WITH_NCCL 1
+#include "dhp/core/build_config.h"
+
+// DHP_WITH_NCCL comes from CMakeLists.txt: 1 when the libtorch found is a CUDA build whose
+// c10d has NCCL (its torch_cuda target carries USE_C10D_NCCL); the CPU build never sees NCCL.
+#if DHP_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -17,6 +19,7 @@
 #include <mutex>
 
 #include "dhp/core/error.h"
+#include "dhp/core/torch_version.h"
 
 namespace dhp::dist {
 
@@ -26,7 +29,7 @@ struct Store::Impl {
 
 struct Group::Impl {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
-#ifdef DHP_WITH_NCCL
+#if DHP_WITH_NCCL
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
 #endif
   std::chrono::milliseconds timeout{0};
@@ -36,7 +39,7 @@ struct Group::Impl {
   // Runs f on the backend's process group (the same c10d calls exist on both).
   template <class F>
   auto with_pg(F&& f) {
-#ifdef DHP_WITH_NCCL
+#if DHP_WITH_NCCL
     if (nccl) return f(*nccl);
 #endif
     return f(*gloo);
@@ -75,7 +78,7 @@ torch::Tensor as_bits(const torch::Tensor& t) {
 CommStats comm_stats() { return tls_stats; }
 
 bool nccl_available() {
-#ifdef DHP_WITH_NCCL
+#if DHP_WITH_NCCL
   return true;
 #else
   return false;
@@ -95,6 +98,11 @@ Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool
   o.isServer = is_master;
   o.numWorkers = static_cast<std::size_t>(world_size);
   o.timeout = timeout;
+#if DHP_TORCH_AT_LEAST(2, 3)
+  // libtorch 2.x's TCPStore defaults to a libuv server, which Debian's build (and any built
+  // without libuv) refuses at the rendezvous; the classic server works in every build.
+  o.useLibUV = false;
+#endif
   return Store(std::make_shared<Store::Impl>(Store::Impl{c10::make_intrusive<c10d::TCPStore>(host, o)}));
 }
 
@@ -111,7 +119,7 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
   impl_ = std::make_shared<Impl>();
   impl_->timeout = timeout;
   if (backend == Backend::kNccl) {
-#ifdef DHP_WITH_NCCL
+#if DHP_WITH_NCCL
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout;
     impl_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, static_cast<int>(rank_),
@@ -235,6 +243,34 @@ void Group::recv(torch::Tensor& t, int64_t src, int64_t tag) const {
   std::vector<torch::Tensor> v{impl_->gloo ? as_bits(t) : t};
   auto work = impl_->with_pg([&](auto& pg) { return pg.recv(v, static_cast<int>(src), static_cast<int>(tag)); });
   work->wait(impl_->timeout);
+}
+
+void Group::exchange(const std::vector<std::pair<torch::Tensor, int64_t>>& sends,
+                     const std::vector<std::pair<torch::Tensor, int64_t>>& recvs, int64_t tag) const {
+  if (sends.empty() && recvs.empty()) return;
+#if DHP_WITH_NCCL
+  if (impl_->nccl) {
+    auto keep = std::make_shared<std::vector<std::vector<torch::Tensor>>>();
+    for (const auto& [t, dst] : sends) keep->push_back({t});
+    std::vector<std::vector<torch::Tensor>> into;
+    for (const auto& [t, src] : recvs) into.push_back({t});
+    CommTimer timer(int64_t{0});
+    impl_->nccl->startCoalescing();
+    for (size_t i = 0; i < sends.size(); ++i) impl_->nccl->send((*keep)[i], static_cast<int>(sends[i].second), 0);
+    for (size_t i = 0; i < recvs.size(); ++i) impl_->nccl->recv(into[i], static_cast<int>(recvs[i].second), 0);
+    auto work = impl_->nccl->endCoalescing();
+    // The current stream waits for the batch; the host does not block.
+    work->wait();
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->pending.push_back([work, keep] { work->wait(); });
+    return;
+  }
+#endif
+  for (const auto& [t, dst] : sends) send(t, dst, tag);
+  for (const auto& [t, src] : recvs) {
+    auto into = t;
+    recv(into, src, tag);
+  }
 }
 
 void Group::wait_sends() const {

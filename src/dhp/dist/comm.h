@@ -90,6 +90,13 @@ class Group {
   // Receives into `t` (contiguous, the sent shape) from member `src`; blocks until the data
   // arrived, or throws after the group's timeout.
   void recv(torch::Tensor& t, int64_t src, int64_t tag) const;
+  // Posts `sends` (each queued as by send()) and `recvs` (tensor, source member) as one
+  // batch, then waits for the receives. Under NCCL the batch is one coalesced group, which
+  // progresses all its messages together: two members that both send to and receive from each
+  // other in one exchange cannot block each other (train/transfers.h). Under Gloo: send()s
+  // then recv()s.
+  void exchange(const std::vector<std::pair<torch::Tensor, int64_t>>& sends,
+                const std::vector<std::pair<torch::Tensor, int64_t>>& recvs, int64_t tag) const;
   // Blocks until every send queued on this Group (by any copy of it) has been received.
   void wait_sends() const;
 

@@ -63,22 +63,23 @@ std::pair<int64_t, int64_t> replica_chunk(int64_t n, int64_t replicas, int64_t r
   return {begin, begin + base + (r < rem ? 1 : 0)};
 }
 
-RedistributePlan plan_redistribute(const dist::ModuleLayout& vision, const dist::ModuleLayout& text,
+RedistributePlan plan_redistribute(const dist::ModuleLayout& encoder, const dist::ModuleLayout& decoder,
                                    const std::vector<int64_t>& rows_per_sample) {
   const auto off = row_offsets(rows_per_sample);
   const int64_t n = static_cast<int64_t>(rows_per_sample.size());
-  const auto vr = replica_ranks(vision), tr = replica_ranks(text);
+  const auto er = replica_ranks(encoder), dr = replica_ranks(decoder);
   RedistributePlan p;
-  p.forward = plan_direction(vr, tr, off);
-  p.backward = plan_direction(tr, vr, off);
-  for (int64_t v = 0; v < vision.dp; ++v) {
-    const auto c = replica_chunk(n, vision.dp, v);
-    for (int64_t r : vr[v]) p.vision_rows[r] = off[c.second] - off[c.first];
-  }
-  for (int64_t t = 0; t < text.dp; ++t) {
-    const auto c = replica_chunk(n, text.dp, t);
-    for (int64_t r : tr[t]) p.text_rows[r] = off[c.second] - off[c.first];
-  }
+  p.forward = plan_direction(er, dr, off);
+  p.backward = plan_direction(dr, er, off);
+  auto rows_of = [&](const dist::ModuleLayout& m, const std::vector<std::vector<int64_t>>& replicas,
+                     std::map<int64_t, int64_t>& out) {
+    for (int64_t r = 0; r < m.dp; ++r) {
+      const auto c = replica_chunk(n, m.dp, r);
+      for (int64_t rank : replicas[static_cast<size_t>(r)]) out[rank] = off[c.second] - off[c.first];
+    }
+  };
+  rows_of(encoder, er, p.encoder_rows);
+  rows_of(decoder, dr, p.decoder_rows);
   return p;
 }
 
@@ -93,14 +94,24 @@ void send_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& from,
   }
 }
 
-torch::Tensor recv_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& local, int64_t rows,
-                          int64_t cols, const torch::TensorOptions& options, const dist::Group& job, int64_t rank,
-                          int64_t tag) {
+torch::Tensor exchange_pieces(const std::vector<RowPiece>& pieces, bool send, const torch::Tensor& local, int64_t rows,
+                              int64_t cols, const torch::TensorOptions& options, const dist::Group& group,
+                              int64_t rank, int64_t tag) {
+  std::vector<std::pair<torch::Tensor, int64_t>> sends, recvs;
+  if (send) {
+    for (const auto& p : pieces) {
+      if (p.src != rank || p.dst == rank) continue;
+      DHP_CHECK(local.defined() && local.size(0) >= p.src_row + p.rows, "redistribute: rank ", rank,
+                " must send rows [", p.src_row, ", ", p.src_row + p.rows, ") to rank ", p.dst, " but holds ",
+                local.defined() ? local.size(0) : 0);
+      sends.emplace_back(local.detach().narrow(0, p.src_row, p.rows).contiguous(), p.dst);
+    }
+  }
   std::vector<const RowPiece*> mine;
   for (const auto& p : pieces)
     if (p.dst == rank) mine.push_back(&p);
   // Already where it is needed: no copy.
-  if (mine.size() == 1 && mine[0]->src == rank && local.defined() && mine[0]->src_row == 0 &&
+  if (sends.empty() && mine.size() == 1 && mine[0]->src == rank && local.defined() && mine[0]->src_row == 0 &&
       mine[0]->dst_row == 0 && mine[0]->rows == rows && local.size(0) == rows) {
     return local.detach();
   }
@@ -114,10 +125,17 @@ torch::Tensor recv_pieces(const std::vector<RowPiece>& pieces, const torch::Tens
                 " has no local rows [", p->src_row, ", ", p->src_row + p->rows, ")");
       dst.copy_(local.detach().narrow(0, p->src_row, p->rows));
     } else {
-      job.recv(dst, p->src, tag);
+      recvs.emplace_back(dst, p->src);
     }
   }
+  group.exchange(sends, recvs, tag);
   return out;
+}
+
+torch::Tensor recv_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& local, int64_t rows,
+                          int64_t cols, const torch::TensorOptions& options, const dist::Group& job,
+                          int64_t rank, int64_t tag) {
+  return exchange_pieces(pieces, /*send=*/false, local, rows, cols, options, job, rank, tag);
 }
 
 }  // namespace dhp::parallel

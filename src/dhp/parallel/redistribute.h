@@ -1,15 +1,15 @@
-// Redistribute: moves the vision embeddings of one global micro-batch from the layout the
-// vision group produced them in to the layout the text group needs, and their gradients
-// back. The plan is pure arithmetic over the two ModuleLayouts (every rank computes the
+// Redistribute: moves an encoder's output rows (the vision embeddings) of one global
+// micro-batch from the layout the encoder's group produced them in to the layout the
+// decoder's group needs, and their gradients back. The plan is pure arithmetic over the two ModuleLayouts (every rank computes the
 // same one); the transfers are point-to-point over a group whose member i is global rank i
 // (the job group), and a rank that already holds the rows it needs copies nothing.
 //
 // Layout of the rows: each module's data-parallel replica r takes the contiguous samples
-// replica_chunk(n, dp, r) of the micro-batch. Vision replica v holds, on every one of its
-// ranks, the image rows (merged patches) of its samples in sample order (after SP's
-// all-gather, or TP's final reduce). Text replica t needs, on every one of its ranks, the
-// rows of its own samples in sample order. Backward, any rank of a text replica holds the
-// whole gradient of its rows (TP ranks hold identical ones), and every rank of a vision
+// replica_chunk(n, dp, r) of the micro-batch. Encoder replica v holds, on every one of its
+// ranks, the rows (vision: merged patches) of its samples in sample order (after SP's
+// all-gather, or TP's final reduce). Decoder replica t needs, on every one of its ranks, the
+// rows of its own samples in sample order. Backward, any rank of a decoder replica holds the
+// whole gradient of its rows (TP ranks hold identical ones), and every rank of an encoder
 // replica needs the whole gradient of the replica's rows.
 #pragma once
 
@@ -37,27 +37,33 @@ struct RowPiece {
 };
 
 struct RedistributePlan {
-  std::vector<RowPiece> forward;   // activations, vision -> text
-  std::vector<RowPiece> backward;  // gradients, text -> vision
-  std::map<int64_t, int64_t> vision_rows;  // rows each vision rank holds (global rank -> rows)
-  std::map<int64_t, int64_t> text_rows;    // rows each text rank needs
+  std::vector<RowPiece> forward;   // activations, encoder -> decoder
+  std::vector<RowPiece> backward;  // gradients, decoder -> encoder
+  std::map<int64_t, int64_t> encoder_rows;  // rows each encoder rank holds (global rank -> rows)
+  std::map<int64_t, int64_t> decoder_rows;  // rows each decoder rank needs
 };
 
-// rows_per_sample: image rows (merged tokens) of each sample of the micro-batch, 0 for a
-// text-only sample. Pieces of zero rows are left out. The source of a piece is the
+// rows_per_sample: the encoder's rows of each sample of the micro-batch (vision: merged
+// tokens), 0 for a sample without its input. Pieces of zero rows are left out. The source of a piece is the
 // destination itself when it holds the rows, otherwise the source replica's ranks take
 // turns so that no one rank sends everything.
-RedistributePlan plan_redistribute(const dist::ModuleLayout& vision, const dist::ModuleLayout& text,
+RedistributePlan plan_redistribute(const dist::ModuleLayout& encoder, const dist::ModuleLayout& decoder,
                                    const std::vector<int64_t>& rows_per_sample);
 
 // This rank's sends of `pieces` (those with src == rank != dst): rows of `from` (rows, C).
 // Returns at once; the data leaves when the destination receives (job.wait_sends()).
 void send_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& from, const dist::Group& job,
                  int64_t rank, int64_t tag);
-// This rank's receives of `pieces` (dst == rank) into a new (rows, C) tensor; local pieces
-// are copied from `local` (this rank's source tensor, may be undefined when it is none).
-// When one local piece is the whole of `local` and of the result, returns `local` itself.
-// Blocks until every piece arrived (or the job's timeout).
+// This rank's receives of `pieces` (dst == rank) into a new (rows, C) tensor, and, when
+// `send` is true, its sends of `pieces` from `local` posted in the same batch (dist::Group::
+// exchange: one NCCL group, so that two ranks that both send and receive cannot block each
+// other). Local pieces are copied from `local` (this rank's source tensor, may be undefined
+// when it is none). When one local piece is the whole of `local` and of the result, returns
+// `local` itself. Blocks until every piece arrived (or the group's timeout).
+torch::Tensor exchange_pieces(const std::vector<RowPiece>& pieces, bool send, const torch::Tensor& local, int64_t rows,
+                              int64_t cols, const torch::TensorOptions& options, const dist::Group& group,
+                              int64_t rank, int64_t tag);
+// exchange_pieces without sends.
 torch::Tensor recv_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& local, int64_t rows,
                           int64_t cols, const torch::TensorOptions& options, const dist::Group& job,
                           int64_t rank, int64_t tag);

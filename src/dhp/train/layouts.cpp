@@ -109,11 +109,11 @@ Layouts resolve_layouts(const Config& cfg, int64_t world) {
     }
     DHP_CHECK(runs, "rank ", r, " of the ", world, " runs no module: ", lists, " leave it idle");
   }
-  // Every replica of both modules needs at least one sample of the smallest micro-batch
+  // Every replica of every module needs at least one sample of the smallest micro-batch
   // (packed micro-batches always hold one per replica).
   const int64_t smallest = cfg.data.pack_tokens > 0 ? l.max_dp() : cfg.data.batch_size / cfg.training.micro_batches;
-  for (const auto* m : {&l.modules.front(), &l.modules.back()}) {
-    DHP_CHECK(smallest >= m->dp, "parallel.", m->name, ".dp=", m->dp, " replicas need at least ", m->dp,
+  for (const auto& m : l.modules) {
+    DHP_CHECK(smallest >= m.dp, "parallel.", m.name, ".dp=", m.dp, " replicas need at least ", m.dp,
               " samples per micro-batch, but data.batch_size=", cfg.data.batch_size, " / training.micro_batches=",
               cfg.training.micro_batches, " gives ", smallest);
   }

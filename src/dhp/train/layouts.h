@@ -17,7 +17,6 @@ namespace dhp::train {
 // takes their output rows and computes the loss) last.
 struct Layouts {
   std::vector<dist::ModuleLayout> modules;
-  const dist::ModuleLayout& encoder() const { return modules.front(); }  // today's one encoder: vision
   const dist::ModuleLayout& decoder() const { return modules.back(); }
   // The layout of the module named `name`; throws dhp::Error listing the names.
   const dist::ModuleLayout& at(const std::string& name) const;

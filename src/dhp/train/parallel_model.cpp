@@ -14,17 +14,9 @@
 #include "dhp/models/qwen2_5_vl/parallelize.h"
 #include "dhp/parallel/redistribute.h"
 #include "dhp/parallel/tensor_parallel.h"
+#include "dhp/train/transfers.h"
 
 namespace dhp::train {
-namespace {
-
-int64_t image_rows(const data::Sample& s, int64_t image_token_id) {
-  int64_t n = 0;
-  for (auto id : s.ids) n += id == image_token_id;
-  return n;
-}
-
-}  // namespace
 
 torch::Device resolve_device(const Config& cfg, const Runtime& rt) {
   const std::string& d = cfg.training.device;
@@ -58,20 +50,21 @@ struct ParallelModel::Stage {
   std::unique_ptr<parallel::ModuleStrategy> strategy;  // null where the module does not run
 };
 
-// What the schedule's actions of one micro-batch hand each other on this rank.
-struct ParallelModel::MicroBatchState {
+// What the schedule's actions of one micro-batch hand each other on this rank, per encoder.
+struct ParallelModel::Transfer {
   parallel::RedistributePlan plan;
-  torch::Tensor vision_out;  // (rows of this vision replica, C), with its graph
-  torch::Tensor text_in;     // (rows of this text replica, C), a leaf that collects the gradient
-  torch::Tensor vision_grad; // (rows of this vision replica, C)
+  torch::Tensor encoder_out;   // (rows of this encoder replica, C), with its graph
+  torch::Tensor decoder_in;    // (rows of this decoder replica, C), a leaf that collects the gradient
+  torch::Tensor encoder_grad;  // (rows of this encoder replica, C)
+};
+struct ParallelModel::MicroBatchState {
+  std::vector<Transfer> of;  // one per encoder, in module order
 };
 
 ParallelModel::~ParallelModel() = default;
 
-ParallelModel::Stage& ParallelModel::encoder() { return stages_.front(); }
 ParallelModel::Stage& ParallelModel::decoder() { return stages_.back(); }
-const ParallelModel::Stage& ParallelModel::encoder() const { return stages_.front(); }
-const ParallelModel::Stage& ParallelModel::decoder() const { return stages_.back(); }
+int64_t ParallelModel::encoders() const { return static_cast<int64_t>(stages_.size()) - 1; }
 
 void ParallelModel::release_parameters(const parallel::ModuleTarget& target) {
   torch::NoGradGuard no_grad;
@@ -84,6 +77,9 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     : cfg_(cfg), layouts_(layouts), rt_(rt) {
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
   if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", dist::iota_ranks(rt_.world), rt_.rank, rt_.timeout);
+  // Gradients travel on their own group where messages of one group run in order (NCCL,
+  // train/transfers.h rule 1); Gloo's sends do not wait for their receives: one group will do.
+  grads_ = job_;
   device_ = resolve_device(cfg_, rt_);
   model_ = build_model(cfg_, /*load_from=*/false);  // model.from: each rank reads its slices below
   if (!device_.is_cpu()) model_->to(device_);       // before the optimizers take the parameters
@@ -140,24 +136,28 @@ parallel::HeldElements ParallelModel::held(const std::string& name) const {
 }
 
 std::vector<Action> ParallelModel::schedule(int64_t micro_batches) const {
-  return make_schedule(layouts_.encoder(), layouts_.decoder(), rt_.rank, micro_batches, cfg_.parallel.pipeline);
+  return make_schedule(layouts_.modules, rt_.rank, micro_batches, cfg_.parallel.pipeline);
 }
 
 bool ParallelModel::encodes(int64_t i, int64_t n) const {
-  const auto& v = encoder();
-  if (!v.member) return false;
-  const auto c = parallel::replica_chunk(n, v.layout.dp, v.coord.dp);
-  return i >= c.first && i < c.second;
+  for (int64_t e = 0; e < encoders(); ++e) {
+    const auto& s = stages_[static_cast<size_t>(e)];
+    if (!s.member) continue;
+    const auto c = parallel::replica_chunk(n, s.layout.dp, s.coord.dp);
+    if (i >= c.first && i < c.second) return true;
+  }
+  return false;
 }
 
 ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vector<data::Sample>> micro,
                                                           double global_targets) {
-  const int64_t img = cfg_.model.config.image_token_id;
   std::vector<MicroBatchState> state(micro.size());
   for (size_t i = 0; i < micro.size(); ++i) {
-    std::vector<int64_t> rows;
-    for (const auto& s : micro[i]) rows.push_back(image_rows(s, img));
-    state[i].plan = parallel::plan_redistribute(layouts_.encoder(), layouts_.decoder(), rows);
+    for (int64_t e = 0; e < encoders(); ++e) {
+      std::vector<int64_t> rows;
+      for (const auto& s : micro[i]) rows.push_back(qwen::encoder_rows(cfg_.model.config, e, s.ids));
+      state[i].of.push_back({parallel::plan_redistribute(layouts_.modules[static_cast<size_t>(e)], layouts_.decoder(), rows)});
+    }
   }
   StepResult result;
   for (const auto& a : schedule(static_cast<int64_t>(micro.size()))) {
@@ -165,30 +165,32 @@ ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vecto
   }
   const auto t0 = std::chrono::steady_clock::now();
   job_.wait_sends();
+  grads_.wait_sends();
   result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return result;
 }
 
-torch::Tensor ParallelModel::encode_vision_chunk(std::vector<data::Sample>& mb, int64_t micro_batch) {
+torch::Tensor ParallelModel::encode_chunk(int64_t encoder, std::vector<data::Sample>& mb, int64_t micro_batch) {
   const int64_t n = static_cast<int64_t>(mb.size());
-  const auto& vs = encoder();
-  const auto vc = parallel::replica_chunk(n, vs.layout.dp, vs.coord.dp);
-  // Vision replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
-  if (vs.strategy->replicas_run_together()) {
-    for (int64_t v = 0; v < vs.layout.dp; ++v) {
-      const auto c = parallel::replica_chunk(n, vs.layout.dp, v);
+  const auto& es = stages_[static_cast<size_t>(encoder)];
+  const auto ec = parallel::replica_chunk(n, es.layout.dp, es.coord.dp);
+  // Encoder replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
+  if (es.strategy->replicas_run_together()) {
+    for (int64_t v = 0; v < es.layout.dp; ++v) {
+      const auto c = parallel::replica_chunk(n, es.layout.dp, v);
       bool any = false;
       for (int64_t i = c.first; i < c.second; ++i) any = any || !mb[i].grids.empty();
-      DHP_CHECK(any, "vision ", dist::strategy_name(vs.layout.strategy), ": replica ", v, " has no image in its samples ", c.first, "..", c.second - 1,
-                " of micro-batch ", micro_batch, "; every replica needs one");
+      DHP_CHECK(any, es.layout.name, " ", dist::strategy_name(es.layout.strategy), ": replica ", v,
+                " has no image in its samples ", c.first, "..", c.second - 1, " of micro-batch ", micro_batch,
+                "; every replica needs one");
     }
   }
   const auto& mc = cfg_.model.config;
   auto batch = qwen::to_device(
-      data::collate(std::vector<data::Sample>(mb.begin() + vc.first, mb.begin() + vc.second), mc), device_);
+      data::collate(std::vector<data::Sample>(mb.begin() + ec.first, mb.begin() + ec.second), mc), device_);
   // Packed now: the samples' own copies of the pixels are no longer needed.
-  for (int64_t i = vc.first; i < vc.second; ++i) mb[static_cast<size_t>(i)].pixel_values = torch::Tensor();
-  auto out = model_->encode_images(batch);
+  for (int64_t i = ec.first; i < ec.second; ++i) mb[static_cast<size_t>(i)].pixel_values = torch::Tensor();
+  auto out = qwen::encode(*model_, encoder, batch);
   batch = qwen::Batch();
   if (!out.defined()) {
     out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(dtype_).device(device_));
@@ -200,61 +202,75 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
                                double global_targets, std::vector<MicroBatchState>& state, StepResult& result) {
   auto& mb = micro[static_cast<size_t>(a.micro_batch)];
   auto& st = state[static_cast<size_t>(a.micro_batch)];
-  const auto& mc = cfg_.model.config;
-  const int64_t n = static_cast<int64_t>(mb.size());
-  const int64_t hidden = mc.text.hidden_size;
-  const int64_t fwd_tag = 2 * a.micro_batch, bwd_tag = 2 * a.micro_batch + 1;
-  auto slice = [&](std::pair<int64_t, int64_t> c) {
-    return std::vector<data::Sample>(mb.begin() + c.first, mb.begin() + c.second);
-  };
-  auto options = torch::TensorOptions().dtype(dtype_).device(device_);
+  const int64_t hidden = cfg_.model.config.text.hidden_size;
+  const int64_t tag = transfer_tag(a, encoders());
+  const auto options = torch::TensorOptions().dtype(dtype_).device(device_);
   const auto t0 = std::chrono::steady_clock::now();
+  auto waited = [&] { result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  auto& tr = st.of[static_cast<size_t>(a.op == Op::kDecode ? 0 : a.module)];
   switch (a.op) {
-    case Op::kVisionForward:
-      st.vision_out = encode_vision_chunk(mb, a.micro_batch);
+    case Op::kEncode:
+      tr.encoder_out = encode_chunk(a.module, mb, a.micro_batch);
       break;
     case Op::kSendActivations:
-      parallel::send_pieces(st.plan.forward, st.vision_out, job_, rt_.rank, fwd_tag);
+      if (sends_now(a, tr)) parallel::send_pieces(tr.plan.forward, tr.encoder_out, channel(a), rt_.rank, tag);
       break;
     case Op::kRecvActivations: {
-      const int64_t rows = st.plan.text_rows.at(rt_.rank);
-      auto in = parallel::recv_pieces(st.plan.forward, st.vision_out, rows, hidden, options, job_, rt_.rank, fwd_tag);
-      st.text_in = in.detach().requires_grad_(true);
-      result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto in = parallel::exchange_pieces(tr.plan.forward, sends_now(a, tr), tr.encoder_out,
+                                          tr.plan.decoder_rows.at(rt_.rank), hidden, options, channel(a), rt_.rank, tag);
+      tr.decoder_in = in.detach().requires_grad_(true);
+      waited();
       break;
     }
-    case Op::kTextForwardBackward: {
-      const auto& ts = decoder();
-      const auto tc = parallel::replica_chunk(n, ts.layout.dp, ts.coord.dp);
-      auto out = model_->forward(qwen::to_device(data::collate(slice(tc), mc), device_), st.text_in);
-      (out.loss_sum / global_targets).backward();
-      if (ts.coord.tp == 0) result.loss_sum += out.loss_sum.item<double>();
+    case Op::kDecode:
+      result.loss_sum += decode_chunk(mb, st, global_targets);
       break;
-    }
     case Op::kSendGrads: {
-      auto g = st.text_in.grad();
-      if (!g.defined()) g = torch::zeros_like(st.text_in);
-      st.text_in = g;  // the activations are no longer needed; keep what is sent
-      parallel::send_pieces(st.plan.backward, g, job_, rt_.rank, bwd_tag);
+      auto g = tr.decoder_in.grad();
+      if (!g.defined()) g = torch::zeros_like(tr.decoder_in);
+      tr.decoder_in = g;  // the activations are no longer needed; keep what is sent
+      if (sends_now(a, tr)) parallel::send_pieces(tr.plan.backward, g, channel(a), rt_.rank, tag);
       break;
     }
-    case Op::kRecvGrads: {
-      const int64_t rows = st.plan.vision_rows.at(rt_.rank);
-      st.vision_grad = parallel::recv_pieces(st.plan.backward, st.text_in, rows, hidden, options, job_, rt_.rank,
-                                             bwd_tag);
-      result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    case Op::kRecvGrads:
+      tr.encoder_grad = parallel::exchange_pieces(tr.plan.backward, sends_now(a, tr), tr.decoder_in,
+                                                  tr.plan.encoder_rows.at(rt_.rank), hidden, options, channel(a),
+                                                  rt_.rank, tag);
+      waited();
       break;
-    }
-    case Op::kVisionBackward:
-      if (st.vision_out.requires_grad() && st.vision_out.size(0) > 0) st.vision_out.backward(st.vision_grad);
-      st.vision_out = torch::Tensor();
-      st.vision_grad = torch::Tensor();
+    case Op::kEncodeBackward:
+      if (tr.encoder_out.requires_grad() && tr.encoder_out.size(0) > 0) tr.encoder_out.backward(tr.encoder_grad);
+      tr.encoder_out = torch::Tensor();
+      tr.encoder_grad = torch::Tensor();
       break;
   }
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (a.op == Op::kVisionForward || a.op == Op::kVisionBackward) result.vision_s += dt;
-  if (a.op == Op::kTextForwardBackward) result.text_s += dt;
-  memory_mark(to_string({a}).c_str());
+  if (a.op == Op::kEncode || a.op == Op::kEncodeBackward) result.vision_s += dt;
+  if (a.op == Op::kDecode) result.text_s += dt;
+  memory_mark(action_name(a, layouts_.modules).c_str());
+}
+
+bool ParallelModel::sends_now(const Action& a, const Transfer& tr) const {
+  for (const auto& m : posting(a, tr.plan, rt_.rank, encoders()).messages)
+    if (m.send) return true;
+  return false;
+}
+
+const dist::Group& ParallelModel::channel(const Action& a) const {
+  const bool activations = a.op == Op::kSendActivations || a.op == Op::kRecvActivations;
+  return activations ? job_ : grads_;
+}
+
+double ParallelModel::decode_chunk(std::vector<data::Sample>& mb, MicroBatchState& st, double global_targets) {
+  const auto& ds = decoder();
+  const auto c = parallel::replica_chunk(static_cast<int64_t>(mb.size()), ds.layout.dp, ds.coord.dp);
+  std::vector<torch::Tensor> rows;
+  for (const auto& tr : st.of) rows.push_back(tr.decoder_in);
+  const auto batch = qwen::to_device(
+      data::collate(std::vector<data::Sample>(mb.begin() + c.first, mb.begin() + c.second), cfg_.model.config), device_);
+  auto out = qwen::decode(*model_, batch, rows);
+  (out.loss_sum / global_targets).backward();
+  return ds.coord.tp == 0 ? out.loss_sum.item<double>() : 0.0;
 }
 
 void ParallelModel::zero_grad() {
@@ -290,19 +306,29 @@ torch::Tensor ParallelModel::forward_logits(const qwen::Batch& host_batch) {
   const int64_t hidden = mc.text.hidden_size;
   const auto options = torch::TensorOptions().dtype(dtype_).device(device_);
   const auto b = qwen::to_device(host_batch, device_);
-  const int64_t rows = b.input_ids.eq(mc.image_token_id).sum().item<int64_t>();
-  const auto plan = parallel::plan_redistribute(layouts_.encoder(), layouts_.decoder(), {rows});
   const auto& text = decoder();
-  torch::Tensor vis;
-  if (encoder().member) {
-    vis = model_->encode_images(b);
-    if (!vis.defined()) vis = torch::zeros({0, hidden}, options);
-    parallel::send_pieces(plan.forward, vis, job_, rt_.rank, /*tag=*/0);
+  const auto ids_tensor = host_batch.input_ids.cpu().contiguous();
+  const std::vector<int64_t> ids(ids_tensor.data_ptr<int64_t>(), ids_tensor.data_ptr<int64_t>() + ids_tensor.numel());
+  std::vector<parallel::RedistributePlan> plans;
+  std::vector<torch::Tensor> out(static_cast<size_t>(encoders()));
+  for (int64_t e = 0; e < encoders(); ++e) {
+    const auto& es = stages_[static_cast<size_t>(e)];
+    plans.push_back(parallel::plan_redistribute(es.layout, text.layout, {qwen::encoder_rows(mc, e, ids)}));
+    if (!es.member) continue;
+    auto& o = out[static_cast<size_t>(e)];
+    o = qwen::encode(*model_, e, b);
+    if (!o.defined()) o = torch::zeros({0, hidden}, options);
+    parallel::send_pieces(plans.back().forward, o, job_, rt_.rank, /*tag=*/2 * e);
   }
   torch::Tensor logits;
   if (text.member) {
-    auto in = parallel::recv_pieces(plan.forward, vis, plan.text_rows.at(rt_.rank), hidden, options, job_, rt_.rank, 0);
-    auto h = model_->hidden_at_targets(b, in).first;
+    std::vector<torch::Tensor> in;
+    for (int64_t e = 0; e < encoders(); ++e) {
+      const auto& p = plans[static_cast<size_t>(e)];
+      in.push_back(parallel::recv_pieces(p.forward, out[static_cast<size_t>(e)], p.decoder_rows.at(rt_.rank), hidden,
+                                         options, job_, rt_.rank, 2 * e));
+    }
+    auto h = qwen::decode_hidden(*model_, b, in).first;
     auto head = [this](const torch::Tensor& x) {
       return torch::matmul(x, model_->lm_head_weight().t()).to(torch::kFloat32);
     };

@@ -131,13 +131,20 @@ class ParallelModel {
 
  private:
   struct Stage;
+  struct Transfer;
   struct MicroBatchState;
-  Stage& encoder();  // vision: feeds the decoder
-  Stage& decoder();  // text: takes the rows, computes the loss
-  const Stage& encoder() const;
-  const Stage& decoder() const;
-  // This rank's vision replica's embedding rows of micro-batch `mb` (0 rows without images).
-  torch::Tensor encode_vision_chunk(std::vector<data::Sample>& mb, int64_t micro_batch);
+  Stage& decoder();          // the last module: takes the encoders' rows, computes the loss
+  int64_t encoders() const;  // the modules before it
+  // This rank's replica's output rows of encoder `encoder` for micro-batch `mb` (0 rows
+  // when its samples have nothing for it).
+  torch::Tensor encode_chunk(int64_t encoder, std::vector<data::Sample>& mb, int64_t micro_batch);
+  // Decoder forward and backward of this rank's replica's samples of `mb`; returns the loss
+  // sum this rank reports (0 on TP ranks other than the first).
+  double decode_chunk(std::vector<data::Sample>& mb, MicroBatchState& st, double global_targets);
+  // Does this rank post its sends of transfer action `a` at `a` (train/transfers.h)?
+  bool sends_now(const Action& a, const Transfer& tr) const;
+  // The group a transfer action's messages travel on (train/transfers.h: Channel).
+  const dist::Group& channel(const Action& a) const;
   void run_action(const Action& a, std::vector<std::vector<data::Sample>>& micro, double global_targets,
                   std::vector<MicroBatchState>& state, StepResult& result);
   void release_parameters(const parallel::ModuleTarget& target);  // frees a module this rank does not host
@@ -151,6 +158,7 @@ class ParallelModel {
   Runtime rt_;
   qwen::Qwen2_5_VL model_{nullptr};
   dist::Group job_;
+  dist::Group grads_;  // the gradients' channel (train/transfers.h); job_ itself under Gloo
   std::vector<Stage> stages_;  // the model's modules in order (Layouts::modules)
   // Name -> shape of every parameter, kept for those released on this rank.
   std::map<std::string, std::vector<int64_t>> full_shapes_;

@@ -85,6 +85,41 @@ std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLIm
   return out;
 }
 
+namespace {
+
+// Qwen2.5-VL has one encoder, the vision tower, whose rows replace <|image_pad|>.
+void check_encoder(int64_t encoder) {
+  DHP_CHECK(encoder == 0, "Qwen2.5-VL has one encoder (module 0, vision), not module ", encoder);
+}
+
+const torch::Tensor& vision_rows(const std::vector<torch::Tensor>& rows) {
+  DHP_CHECK(rows.size() == 1, "Qwen2.5-VL's decoder takes the rows of one encoder, not ", rows.size());
+  return rows.front();
+}
+
+}  // namespace
+
+int64_t encoder_rows(const ModelConfig& cfg, int64_t encoder, const std::vector<int64_t>& ids) {
+  check_encoder(encoder);
+  int64_t n = 0;
+  for (auto id : ids) n += id == cfg.image_token_id;
+  return n;
+}
+
+torch::Tensor encode(Qwen2_5_VLImpl& model, int64_t encoder, const Batch& batch) {
+  check_encoder(encoder);
+  return model.encode_images(batch);
+}
+
+Qwen2_5_VLImpl::Output decode(Qwen2_5_VLImpl& model, const Batch& batch, const std::vector<torch::Tensor>& rows) {
+  return model.forward(batch, vision_rows(rows));
+}
+
+std::pair<torch::Tensor, torch::Tensor> decode_hidden(Qwen2_5_VLImpl& model, const Batch& batch,
+                                                      const std::vector<torch::Tensor>& rows) {
+  return model.hidden_at_targets(batch, vision_rows(rows));
+}
+
 parallel::TpShardMap parallelize_text_tp(Qwen2_5_VLImpl& model, const dist::Group& tp) {
   parallel::TpShardMap map;
   if (tp.size() == 1) return map;

@@ -28,6 +28,19 @@ std::vector<dist::ModuleDims> module_dims(const ModelConfig& cfg);
 // outlive them.
 std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLImpl& model, int64_t attention_block);
 
+// How the decoder takes the encoders' output (encoder: an index of module_names(), every
+// module but the last). The rows encoder `encoder` produces for a sample of token ids: one
+// per token its output replaces (vision: <|image_pad|>).
+int64_t encoder_rows(const ModelConfig& cfg, int64_t encoder, const std::vector<int64_t>& ids);
+// Encoder `encoder`'s output rows of a batch (rows, hidden), in order; undefined when the
+// batch has nothing for it.
+torch::Tensor encode(Qwen2_5_VLImpl& model, int64_t encoder, const Batch& batch);
+// The decoder's forward (loss) and its hidden states at the target positions, given every
+// encoder's rows of the batch in module order.
+Qwen2_5_VLImpl::Output decode(Qwen2_5_VLImpl& model, const Batch& batch, const std::vector<torch::Tensor>& rows);
+std::pair<torch::Tensor, torch::Tensor> decode_hidden(Qwen2_5_VLImpl& model, const Batch& batch,
+                                                      const std::vector<torch::Tensor>& rows);
+
 // Megatron tensor parallelism for the text decoder over `tp`: q/k/v and gate/up become
 // column-parallel (query heads, kv heads and the MLP width split across ranks), o and down
 // row-parallel; embed_tokens and lm_head are cut to this rank's vocabulary rows, with a
