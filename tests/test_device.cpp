@@ -8,7 +8,10 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "dhp/core/build_config.h"
+#include "dhp/core/device_memory.h"
 #include "dhp/core/error.h"
+#include "dhp/core/memory.h"
 #include "dhp/data/shapes.h"
 #include "dhp/nn/attention.h"
 #include "dhp/train/parallel_model.h"
@@ -49,6 +52,30 @@ TEST(Device, TrainerStopsBeforeWorkOnAMissingDevice) {
   if (torch::cuda::device_count() > 0) GTEST_SKIP() << "this machine has CUDA";
   auto msg = error_of([] { dhp::train::Trainer t(with_device("cuda:1", {"output.dir=" + testing::TempDir() + "dev"})); });
   EXPECT_NE(msg.find("training.device=cuda:1"), std::string::npos) << msg;
+}
+
+// The device's memory figures: on the CPU those of the accounting allocator; a CUDA device
+// in a build without CUDA is named, not silently reported as 0 bytes.
+TEST(Device, MemoryFiguresFollowTheDevice) {
+  const torch::Device cpu(torch::kCPU);
+  dhp::install_memory_accounting();
+  dhp::reset_device_peak(cpu);
+  {
+    auto t = torch::empty({1 << 20}, torch::kFloat32);  // 4 MiB
+    EXPECT_GE(dhp::device_peak_bytes(cpu), int64_t{4} << 20);
+    EXPECT_EQ(dhp::device_peak_bytes(cpu), dhp::memory_peak_bytes());
+  }
+  dhp::set_device_memory_limit(cpu, int64_t{3} << 30);
+  EXPECT_EQ(dhp::memory_limit(), int64_t{3} << 30);
+  dhp::set_device_memory_limit(cpu, 0);
+  EXPECT_EQ(dhp::memory_limit(), 0);
+  if (DHP_WITH_CUDA) GTEST_SKIP() << "a CUDA build: the CUDA figures need a GPU (bench/device/run.sh)";
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto msg = error_of([&] { dhp::device_peak_bytes(gpu); });
+  EXPECT_NE(msg.find("device cuda:0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("without CUDA"), std::string::npos) << msg;
+  msg = error_of([&] { dhp::set_device_memory_limit(gpu, int64_t{1} << 30); });
+  EXPECT_NE(msg.find("without CUDA"), std::string::npos) << msg;
 }
 
 TEST(Device, BatchMovesItsTensorsAndKeepsItsLists) {

@@ -5,6 +5,7 @@
 
 #include <thread>
 
+#include "dhp/core/device_memory.h"
 #include "dhp/core/log.h"
 #include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
@@ -22,7 +23,7 @@ Trainer::Trainer(const Config& cfg, const Runtime& rt) : cfg_(cfg), rt_(rt), dat
   const int64_t local = rt_.local_world > 0 ? rt_.local_world : rt_.world;
   const int64_t share = std::max<int64_t>(1, static_cast<int64_t>(hw) / std::max<int64_t>(1, local));
   torch::set_num_threads(static_cast<int>(cfg_.training.threads > 0 ? cfg_.training.threads : share));
-  set_memory_limit(parse_bytes(cfg_.training.memory_limit, "training.memory_limit"));
+  set_device_memory_limit(resolve_device(cfg_, rt_), parse_bytes(cfg_.training.memory_limit, "training.memory_limit"));
   parallel_ = std::make_unique<ParallelModel>(cfg_, resolve_layouts(cfg_, rt_.world), rt_);
   if (const auto r = train::resume(*parallel_, cfg_)) {
     step_ = r->step;
@@ -54,7 +55,7 @@ StepMetrics Trainer::train_step() {
             step_ + 1, " (--inject-fault fail:", f.fail_rank, ":", f.fail_step, ")");
   if (rt_.restart == 0 && f.kill_rank == rt_.rank && step_ + 1 == f.kill_step) ::raise(SIGKILL);
   Timer timer;
-  reset_memory_peak();
+  reset_device_peak(parallel_->device());
   const auto comm0 = dist::comm_stats();
   parallel_->zero_grad();  // the last step's gradients go before this step's pixels arrive
   memory_mark("step start");
@@ -87,7 +88,7 @@ StepMetrics Trainer::train_step() {
   ++step_;
   m.step = step_;
   m.loss = loss_sum / static_cast<double>(m.target_tokens);
-  m.peak_bytes = static_cast<int64_t>(parallel_->max_over_job(static_cast<double>(memory_peak_bytes())));
+  m.peak_bytes = static_cast<int64_t>(parallel_->max_over_job(static_cast<double>(device_peak_bytes(parallel_->device()))));
   m.step_time_s = timer.seconds();
   m.tokens_per_s = static_cast<double>(m.tokens) / m.step_time_s;
   m.patches_per_s = static_cast<double>(m.patches) / m.step_time_s;
@@ -97,7 +98,7 @@ StepMetrics Trainer::train_step() {
   m.comm_bytes = comm1.bytes - comm0.bytes;
   // Busy = the step minus the time blocked on the other module (idle).
   constexpr size_t kFigures = 7;
-  const auto per_rank = parallel_->gather_over_job({static_cast<double>(memory_peak_bytes()), m.comm_s,
+  const auto per_rank = parallel_->gather_over_job({static_cast<double>(device_peak_bytes(parallel_->device())), m.comm_s,
                                                     m.step_time_s - m.wait_s, m.wait_s, fb.vision_s, fb.text_s,
                                                     m.update_s});
   for (size_t r = 0; r < per_rank.size() / kFigures; ++r) {
