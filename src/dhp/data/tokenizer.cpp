@@ -180,6 +180,76 @@ struct Tokenizer::Impl {
   std::unordered_map<uint64_t, Merge> merges;       // (left id, right id) -> rank, merged id
   mutable std::mutex mu;
   mutable std::unordered_map<std::string, std::vector<int64_t>> cache;
+
+  // Each reads one part of a tokenizer.json (`what` names the file in errors).
+  void read_vocab(const io::Json& model, const std::unordered_map<char32_t, unsigned char>& c2b,
+                  const std::string& what) {
+    std::string raw;
+    for (const auto& [tok, idj] : model.at("vocab", what + " model").items(what + " model.vocab")) {
+      const int64_t id = idj.integer(what + " vocab id of " + tok);
+      DHP_CHECK(id >= 0 && id < (int64_t{1} << 31), what, ": vocab id ", id, " of ", tok, " out of range");
+      DHP_CHECK(byte_level_decode(tok, c2b, raw), what, ": vocab token ", io::json_quote(tok),
+                " has a character outside the ByteLevel alphabet");
+      if (static_cast<size_t>(id) >= bytes_of.size()) bytes_of.resize(static_cast<size_t>(id) + 1);
+      bytes_of[static_cast<size_t>(id)] = raw;
+      DHP_CHECK(vocab.emplace(raw, id).second, what, ": vocab token ", io::json_quote(tok), " appears twice");
+    }
+    for (int b = 0; b < 256; ++b) {
+      auto it = vocab.find(std::string(1, static_cast<char>(b)));
+      DHP_CHECK(it != vocab.end(), what, ": the vocabulary lacks the token of byte ", b);
+      byte_id[b] = it->second;
+    }
+  }
+
+  // "a b" strings (older files) or ["a", "b"] pairs.
+  void read_merges(const io::Json& model, const std::unordered_map<char32_t, unsigned char>& c2b,
+                   const std::string& what) {
+    int32_t rank = 0;
+    std::string left, right;
+    for (const auto& mj : model.at("merges", what + " model").elements(what + " model.merges")) {
+      std::string a, b;
+      if (mj.is_string()) {
+        const auto& s = mj.str();
+        const auto sp = s.find(' ');
+        DHP_CHECK(sp != std::string::npos, what, ": merge ", io::json_quote(s), " is not \"left right\"");
+        a = s.substr(0, sp);
+        b = s.substr(sp + 1);
+      } else {
+        const auto& e = mj.elements(what + " merge");
+        DHP_CHECK(e.size() == 2, what, ": merge ", rank, " is not a pair");
+        a = e[0].str(what + " merge");
+        b = e[1].str(what + " merge");
+      }
+      DHP_CHECK(byte_level_decode(a, c2b, left) && byte_level_decode(b, c2b, right), what, ": merge ", rank,
+                " has a character outside the ByteLevel alphabet");
+      auto l = vocab.find(left), r = vocab.find(right), both = vocab.find(left + right);
+      DHP_CHECK(l != vocab.end() && r != vocab.end() && both != vocab.end(), what, ": merge ", rank, " (",
+                io::json_quote(a), " ", io::json_quote(b), ") names a token outside the vocabulary");
+      const uint64_t key = (static_cast<uint64_t>(l->second) << 32) | static_cast<uint64_t>(r->second);
+      merges.emplace(key, Merge{rank, static_cast<int32_t>(both->second)});  // the first rank wins
+      ++rank;
+    }
+  }
+
+  void read_added(const io::Json& j, const std::string& what) {
+    if (const auto* list = j.find("added_tokens")) {
+      for (const auto& a : list->elements(what + " added_tokens")) {
+        const auto& content = a.at("content", what + " added token").str();
+        const int64_t id = a.at("id", what + " added token").integer();
+        for (const char* flag : {"lstrip", "rstrip", "single_word"}) {
+          const auto* f = a.find(flag);
+          DHP_CHECK(!f || !f->boolean(), what, ": added token ", content, " has ", flag, "=true (not supported)");
+        }
+        DHP_CHECK(!content.empty() && id >= 0, what, ": added token ", io::json_quote(content), " id ", id);
+        if (static_cast<size_t>(id) >= added_text.size()) added_text.resize(static_cast<size_t>(id) + 1);
+        added_text[static_cast<size_t>(id)] = content;
+        added[content] = id;
+        added_by_length.push_back(content);
+      }
+    }
+    std::stable_sort(added_by_length.begin(), added_by_length.end(),
+                     [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  }
 };
 
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
@@ -189,9 +259,10 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   return Tokenizer(io::Json::parse(io::read_file(path), path), path);
 }
 
-Tokenizer::Tokenizer(const io::Json& j, const std::string& what) : impl_(std::make_unique<Impl>()) {
-  auto& m = *impl_;
-  const auto& model = j.at("model", what);
+namespace {
+
+// What dhp's tokenizer implements: byte-level BPE with Qwen's pre-tokenizer and NFC.
+void check_supported(const io::Json& j, const io::Json& model, const std::string& what) {
   const std::string type = model.find("type") ? model.at("type").str(what + " model.type") : "BPE";
   DHP_CHECK(type == "BPE", what, ": model.type is ", type, "; only byte-level BPE is supported");
   for (const char* flag : {"byte_fallback", "fuse_unk"}) {
@@ -216,69 +287,20 @@ Tokenizer::Tokenizer(const io::Json& j, const std::string& what) : impl_(std::ma
     const auto* aps = list[1].find("add_prefix_space");
     DHP_CHECK(!aps || !aps->boolean(), what, ": ByteLevel add_prefix_space=true is not supported");
   }
-  // Vocabulary, spelled in the ByteLevel alphabet.
-  const auto b2c = byte_to_char();
+}
+
+}  // namespace
+
+Tokenizer::Tokenizer(const io::Json& j, const std::string& what) : impl_(std::make_unique<Impl>()) {
+  auto& m = *impl_;
+  const auto& model = j.at("model", what);
+  check_supported(j, model, what);
+  const auto b2c = byte_to_char();  // the vocabulary is spelled in the ByteLevel alphabet
   std::unordered_map<char32_t, unsigned char> c2b;
   for (int b = 0; b < 256; ++b) c2b[b2c[b]] = static_cast<unsigned char>(b);
-  std::string raw;
-  for (const auto& [tok, idj] : model.at("vocab", what + " model").items(what + " model.vocab")) {
-    const int64_t id = idj.integer(what + " vocab id of " + tok);
-    DHP_CHECK(id >= 0 && id < (int64_t{1} << 31), what, ": vocab id ", id, " of ", tok, " out of range");
-    DHP_CHECK(byte_level_decode(tok, c2b, raw), what, ": vocab token ", io::json_quote(tok),
-              " has a character outside the ByteLevel alphabet");
-    if (static_cast<size_t>(id) >= m.bytes_of.size()) m.bytes_of.resize(static_cast<size_t>(id) + 1);
-    m.bytes_of[static_cast<size_t>(id)] = raw;
-    DHP_CHECK(m.vocab.emplace(raw, id).second, what, ": vocab token ", io::json_quote(tok), " appears twice");
-  }
-  for (int b = 0; b < 256; ++b) {
-    auto it = m.vocab.find(std::string(1, static_cast<char>(b)));
-    DHP_CHECK(it != m.vocab.end(), what, ": the vocabulary lacks the token of byte ", b);
-    m.byte_id[b] = it->second;
-  }
-  // Merges: "a b" strings (older files) or ["a", "b"] pairs.
-  int32_t rank = 0;
-  std::string left, right;
-  for (const auto& mj : model.at("merges", what + " model").elements(what + " model.merges")) {
-    std::string a, b;
-    if (mj.is_string()) {
-      const auto& s = mj.str();
-      const auto sp = s.find(' ');
-      DHP_CHECK(sp != std::string::npos, what, ": merge ", io::json_quote(s), " is not \"left right\"");
-      a = s.substr(0, sp);
-      b = s.substr(sp + 1);
-    } else {
-      const auto& e = mj.elements(what + " merge");
-      DHP_CHECK(e.size() == 2, what, ": merge ", rank, " is not a pair");
-      a = e[0].str(what + " merge");
-      b = e[1].str(what + " merge");
-    }
-    DHP_CHECK(byte_level_decode(a, c2b, left) && byte_level_decode(b, c2b, right), what, ": merge ", rank,
-              " has a character outside the ByteLevel alphabet");
-    auto l = m.vocab.find(left), r = m.vocab.find(right), both = m.vocab.find(left + right);
-    DHP_CHECK(l != m.vocab.end() && r != m.vocab.end() && both != m.vocab.end(), what, ": merge ", rank, " (",
-              io::json_quote(a), " ", io::json_quote(b), ") names a token outside the vocabulary");
-    const uint64_t key = (static_cast<uint64_t>(l->second) << 32) | static_cast<uint64_t>(r->second);
-    m.merges.emplace(key, Impl::Merge{rank, static_cast<int32_t>(both->second)});  // the first rank wins
-    ++rank;
-  }
-  // Added tokens.
-  if (const auto* added = j.find("added_tokens")) {
-    for (const auto& a : added->elements(what + " added_tokens")) {
-      const auto& content = a.at("content", what + " added token").str();
-      const int64_t id = a.at("id", what + " added token").integer();
-      for (const char* flag : {"lstrip", "rstrip", "single_word"}) {
-        const auto* f = a.find(flag);
-        DHP_CHECK(!f || !f->boolean(), what, ": added token ", content, " has ", flag, "=true (not supported)");
-      }
-      DHP_CHECK(!content.empty() && id >= 0, what, ": added token ", io::json_quote(content), " id ", id);
-      if (static_cast<size_t>(id) >= m.added_text.size()) m.added_text.resize(static_cast<size_t>(id) + 1);
-      m.added_text[static_cast<size_t>(id)] = content;
-      m.added[content] = id;
-      m.added_by_length.push_back(content);
-    }
-  }
-  std::stable_sort(m.added_by_length.begin(), m.added_by_length.end(),
-                   [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  m.read_vocab(model, c2b, what);
+  m.read_merges(model, c2b, what);
+  m.read_added(j, what);
   vocab_size_ = static_cast<int64_t>(std::max(m.bytes_of.size(), m.added_text.size()));
 }
 
