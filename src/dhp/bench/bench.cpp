@@ -315,12 +315,70 @@ Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::st
 
 }  // namespace
 
-std::vector<PointResult> run(const Options& o) {
+namespace {
+
+void check_options(const Options& o) {
   DHP_CHECK(o.steps > o.warmup, "--steps ", o.steps, " must exceed --warmup ", o.warmup);
   DHP_CHECK(o.warmup >= 0, "--warmup must be >= 0, got ", o.warmup);
   DHP_CHECK(o.nproc >= 1, "--nproc must be >= 1, got ", o.nproc);
   DHP_CHECK(o.repeats >= 1, "--repeats must be >= 1, got ", o.repeats);
   DHP_CHECK(!o.vision_tokens.empty(), "no vision length to measure");
+}
+
+// "[3/12] WHAT, ETA 1m20s": the sweep's progress over its jobs (every point once, then again
+// in each later round; the ETA as if every point fits at its first batch).
+class Progress {
+ public:
+  explicit Progress(size_t total) : total_(total) {}
+  std::string line(const std::string& what) const {
+    std::string s = "[" + std::to_string(done_ + 1) + "/" + std::to_string(total_) + "] " + what;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    if (done_) s += ", ETA " + fmt_eta(elapsed / static_cast<double>(done_) * static_cast<double>(total_ - done_));
+    return s;
+  }
+  void job_done() { ++done_; }
+
+ private:
+  size_t total_, done_ = 0;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
+
+std::string describe_point(const PointResult& r) {
+  return r.name + ", " + std::to_string(r.vision_tokens) + " patches/image (" + std::to_string(r.image_side) + " px)";
+}
+
+// Later rounds run every point's kept batch again, point after point, so that a slow stretch
+// of a shared machine falls on every point's rounds alike rather than on one point; each
+// point keeps its median round.
+void repeat_rounds(const Options& o, std::vector<PointResult>& results, Progress& progress) {
+  std::vector<std::vector<RunMetrics>> rounds(results.size());
+  for (size_t i = 0; i < results.size(); ++i)
+    if (results[i].ok()) rounds[i].push_back(results[i].metrics);
+  for (int64_t k = 2; k <= o.repeats; ++k) {
+    for (size_t i = 0; i < results.size(); ++i) {
+      auto& r = results[i];
+      if (!r.ok()) {
+        progress.job_done();
+        continue;
+      }
+      const std::string what = describe_point(r) + ", round " + std::to_string(k);
+      const auto a = try_batch(o, r, r.batch_size, progress.line(what), "_r" + std::to_string(k));
+      progress.job_done();
+      if (a.outcome == Outcome::kOk) {
+        rounds[i].push_back(a.metrics);
+      } else {
+        ++r.failed_rounds;  // try_batch logged why
+      }
+    }
+  }
+  for (size_t i = 0; i < results.size(); ++i)
+    if (results[i].ok()) keep_median_round(results[i], rounds[i]);
+}
+
+}  // namespace
+
+std::vector<PointResult> run(const Options& o) {
+  check_options(o);
   const auto base = load_config(o.config, o.sets);
   const auto& vc = base.model.config.vision;
   std::vector<int64_t> sides;
@@ -332,54 +390,17 @@ std::vector<PointResult> run(const Options& o) {
   const double peak = gemm_peak_gflops(bf16 ? c10::ScalarType::BFloat16 : c10::ScalarType::Float);
 
   std::vector<PointResult> results;
-  // Jobs to run: every point once, then again in each later round (estimated for the ETA
-  // as if every point fits at its first batch).
-  const size_t points = o.points.size() * o.vision_tokens.size();
-  const size_t total = points * static_cast<size_t>(o.repeats);
-  size_t done = 0;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto progress = [&](const std::string& what) {
-    std::string s = "[" + std::to_string(done + 1) + "/" + std::to_string(total) + "] " + what;
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (done) s += ", ETA " + fmt_eta(elapsed / static_cast<double>(done) * static_cast<double>(total - done));
-    return s;
-  };
-  auto describe_point = [](const PointResult& r) {
-    return r.name + ", " + std::to_string(r.vision_tokens) + " patches/image (" + std::to_string(r.image_side) + " px)";
-  };
+  Progress progress(o.points.size() * o.vision_tokens.size() * static_cast<size_t>(o.repeats));
   for (const auto& p : o.points) {
     for (size_t v = 0; v < o.vision_tokens.size(); ++v) {
       auto r = make_point(o, p, o.vision_tokens[v], sides[v]);
       const std::string what = describe_point(r) + (o.repeats > 1 ? ", round 1" : "");
-      search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress(what)); }, r);
-      ++done;
+      search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress.line(what)); }, r);
+      progress.job_done();
       results.push_back(r);
     }
   }
-  // Later rounds run every point's kept batch again, point after point, so that a slow
-  // stretch of a shared machine falls on every point's rounds alike rather than on one point.
-  std::vector<std::vector<RunMetrics>> rounds(results.size());
-  for (size_t i = 0; i < results.size(); ++i)
-    if (results[i].ok()) rounds[i].push_back(results[i].metrics);
-  for (int64_t k = 2; k <= o.repeats; ++k) {
-    for (size_t i = 0; i < results.size(); ++i) {
-      auto& r = results[i];
-      if (!r.ok()) {
-        ++done;
-        continue;
-      }
-      const std::string what = describe_point(r) + ", round " + std::to_string(k);
-      const auto a = try_batch(o, r, r.batch_size, progress(what), "_r" + std::to_string(k));
-      ++done;
-      if (a.outcome == Outcome::kOk) {
-        rounds[i].push_back(a.metrics);
-      } else {
-        ++r.failed_rounds;  // try_batch logged why
-      }
-    }
-  }
-  for (size_t i = 0; i < results.size(); ++i)
-    if (results[i].ok()) keep_median_round(results[i], rounds[i]);
+  repeat_rounds(o, results, progress);
   const std::string table = markdown(results, o, peak);
   std::printf("%s", table.c_str());
   std::ofstream(fs::path(o.out) / "table.md") << table;
