@@ -544,42 +544,39 @@ bool divides(int64_t d, int64_t n) { return d >= 1 && n % d == 0; }
 
 }  // namespace
 
-Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const Plan& plan) {
-  Estimate e;
-  e.plan = plan;
-  e.workload = w;
-  e.capacity_bytes = c.memory_bytes - c.reserved_bytes;
-  const auto fail = [&](const std::string& why) {
-    e.fits = false;
-    e.reason = why;
-    return e;
-  };
+namespace {
+
+// Why `plan` cannot run `w` on `c` at all (devices, divisibility), or "".
+std::string infeasible(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const Plan& plan) {
   const int64_t G = c.devices();
   const auto& vs = plan.vision;
   const auto& ts = plan.text;
   if (plan.disjoint) {
-    if (vs.ranks() + ts.ranks() > G) return fail("needs " + std::to_string(vs.ranks() + ts.ranks()) + " devices, the cluster has " + std::to_string(G));
+    if (vs.ranks() + ts.ranks() > G) return "needs " + std::to_string(vs.ranks() + ts.ranks()) + " devices, the cluster has " + std::to_string(G);
   } else if (vs.ranks() > G || ts.ranks() > G) {
-    return fail("needs " + std::to_string(std::max(vs.ranks(), ts.ranks())) + " devices, the cluster has " +
-                std::to_string(G));
+    return "needs " + std::to_string(std::max(vs.ranks(), ts.ranks())) + " devices, the cluster has " +
+           std::to_string(G);
   }
-  if (w.batch_size % w.micro_batches != 0) return fail("batch not divisible into micro-batches");
+  if (w.batch_size % w.micro_batches != 0) return "batch not divisible into micro-batches";
   const auto& v = m.vision;
   if ((vs.kind == S::kTensorParallel || vs.kind == S::kSequenceParallel) && !divides(vs.degree, v.num_heads)) {
-    return fail("vision " + vs.describe() + ": " + std::to_string(v.num_heads) + " heads do not split " +
-                std::to_string(vs.degree) + " ways");
+    return "vision " + vs.describe() + ": " + std::to_string(v.num_heads) + " heads do not split " +
+           std::to_string(vs.degree) + " ways";
   }
   if (ts.kind == S::kTensorParallel && (!divides(ts.degree, m.text.num_heads) || !divides(ts.degree, m.text.num_kv_heads))) {
-    return fail("text " + ts.describe() + ": " + std::to_string(m.text.num_heads) + " heads / " +
-                std::to_string(m.text.num_kv_heads) + " kv heads do not split " + std::to_string(ts.degree) + " ways");
+    return "text " + ts.describe() + ": " + std::to_string(m.text.num_heads) + " heads / " +
+           std::to_string(m.text.num_kv_heads) + " kv heads do not split " + std::to_string(ts.degree) + " ways";
   }
-  const Conventions cv = conventions(plan.conventions);
-  std::string why;
-  e.vision = vision_cost(m, c, w, vs, cv, why);
-  if (!why.empty()) return fail(why);
-  e.text = text_cost(m, c, w, ts, cv, why);
-  if (!why.empty()) return fail(why);
-  // Embeddings (and their gradients) between the groups.
+  return "";
+}
+
+// What the step costs besides the modules' own work: the embeddings (and their gradients)
+// between the groups, drawing the synthetic images, and the step's closing reductions.
+void add_overheads(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const Plan& plan, Estimate& e) {
+  const int64_t G = c.devices();
+  const auto& vs = plan.vision;
+  const auto& ts = plan.text;
+  const auto& v = m.vision;
   const double b = dtype_bytes(w.precision);
   const double emb = b * static_cast<double>(w.batch_size * w.images_per_sample) * static_cast<double>(w.vision_tokens) /
                      static_cast<double>(v.spatial_merge_size * v.spatial_merge_size) * static_cast<double>(v.out_hidden_size);
@@ -604,6 +601,28 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
                            e.text.attention_s + e.text.elementwise_s;
     e.step_sync_s = job_link.sync_seconds(compute);
   }
+}
+
+}  // namespace
+
+Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& w, const Plan& plan) {
+  Estimate e;
+  e.plan = plan;
+  e.workload = w;
+  e.capacity_bytes = c.memory_bytes - c.reserved_bytes;
+  const auto fail = [&](const std::string& why) {
+    e.fits = false;
+    e.reason = why;
+    return e;
+  };
+  if (auto why = infeasible(m, c, w, plan); !why.empty()) return fail(why);
+  const Conventions cv = conventions(plan.conventions);
+  std::string why;
+  e.vision = vision_cost(m, c, w, plan.vision, cv, why);
+  if (!why.empty()) return fail(why);
+  e.text = text_cost(m, c, w, plan.text, cv, why);
+  if (!why.empty()) return fail(why);
+  add_overheads(m, c, w, plan, e);
   const double tv = e.vision.time_s(), tt = e.text.time_s();
   const double overhead = e.redistribute_s + e.input_s + e.step_sync_s;
   if (plan.disjoint) {
