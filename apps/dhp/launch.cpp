@@ -119,18 +119,9 @@ namespace {
 
 // One attempt: starts the workers, waits for all of them. rc 0 on success; `worker_failed`
 // tells a worker's failure (restartable) from a stop asked of the launcher.
-int run_attempt(int64_t nproc, const std::vector<std::string>& argv, int64_t restart, bool& worker_failed) {
-  namespace fs = std::filesystem;
-  worker_failed = false;
-  const int port = std::getenv("MASTER_PORT") ? static_cast<int>(*env_int("MASTER_PORT")) : free_port();
-  const fs::path errdir = fs::temp_directory_path() / ("dhp-errors-" + std::to_string(::getpid()));
-  fs::create_directories(errdir);
-  struct sigaction sa{};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-
+// Forks and execs the workers of one attempt, each with its rank's environment.
+std::vector<pid_t> start_workers(int64_t nproc, const std::vector<std::string>& argv, int64_t restart, int port,
+                                 const std::filesystem::path& errdir) {
   std::vector<pid_t> pids;
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
@@ -155,16 +146,29 @@ int run_attempt(int64_t nproc, const std::vector<std::string>& argv, int64_t res
     }
     pids.push_back(pid);
   }
+  return pids;
+}
 
-  int64_t alive = nproc, failed = -1;
-  std::vector<int> statuses(static_cast<size_t>(nproc), 0);
+// How the workers of one attempt ended.
+struct Ending {
+  std::vector<int> statuses;  // waitpid status per rank
+  int64_t failed = -1;        // first rank that failed by itself (-1: none)
+  int64_t killed = -1;        // first rank killed by a signal the launcher did not send
+};
+
+// Waits for every worker; once one fails (or the launcher is signalled) stops the others with
+// SIGTERM, and with SIGKILL after 5 s of grace.
+Ending supervise(const std::vector<pid_t>& pids) {
+  const int64_t nproc = static_cast<int64_t>(pids.size());
+  Ending e;
+  e.statuses.assign(static_cast<size_t>(nproc), 0);
+  int64_t alive = nproc;
   std::vector<bool> done(static_cast<size_t>(nproc), false);
   auto stop_all = [&](int sig) {
     for (int64_t r = 0; r < nproc; ++r)
       if (!done[r]) ::kill(pids[r], sig);
   };
   bool stopping = false, escalated = false;
-  int64_t killed = -1;  // first worker killed from outside
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
   while (alive > 0) {
     int status = 0;
@@ -175,21 +179,21 @@ int run_attempt(int64_t nproc, const std::vector<std::string>& argv, int64_t res
         done[r] = true;
         --alive;
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        statuses[r] = status;
+        e.statuses[r] = status;
         // A worker that exits with an error failed by itself (also after the stop began: its
         // error may be the cause, see below); one killed by a signal failed unless we sent it.
         const bool errored = WIFEXITED(status) && WEXITSTATUS(status) != 0;
-        if ((errored || (!ok && !stopping)) && failed < 0) failed = r;
+        if ((errored || (!ok && !stopping)) && e.failed < 0) e.failed = r;
         // Killed by a signal we did not send (SIGTERM when stopping, SIGKILL after the grace):
         // the cause, whatever errors the others then report about their broken connections.
-        if (WIFSIGNALED(status) && killed < 0) {
+        if (WIFSIGNALED(status) && e.killed < 0) {
           const int sig = WTERMSIG(status);
-          if (!((sig == SIGTERM && stopping) || (sig == SIGKILL && escalated))) killed = r;
+          if (!((sig == SIGTERM && stopping) || (sig == SIGKILL && escalated))) e.killed = r;
         }
       }
       continue;
     }
-    if ((failed >= 0 || g_stop_signal) && !stopping) {
+    if ((e.failed >= 0 || g_stop_signal) && !stopping) {
       stopping = true;
       if (g_stop_signal) std::fprintf(stderr, "dhp: %s: stopping all workers\n", strsignal(g_stop_signal));
       stop_all(SIGTERM);
@@ -202,26 +206,45 @@ int run_attempt(int64_t nproc, const std::vector<std::string>& argv, int64_t res
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  int rc = 0;
-  if (failed >= 0) {
-    // Several ranks may fail together (the others' collectives break when one exits): a
-    // worker killed from outside is the cause, else the first error written.
-    if (killed >= 0) failed = killed;
-    std::string err;
-    long long first = -1;
-    // Any rank that recorded an error counts, even one we stopped while it was exiting.
-    for (int64_t r = 0; r < nproc && killed < 0; ++r) {
-      const std::string text = read_file(errdir / ("rank" + std::to_string(r)));
-      const auto nl = text.find('\n');
-      const long long t = nl == std::string::npos ? -1 : std::atoll(text.substr(0, nl).c_str());
-      if (t >= 0 && (first < 0 || t < first)) {
-        first = t;
-        failed = r;
-        err = text.substr(nl + 1);
-      }
+  return e;
+}
+
+// Names the rank that caused a failed attempt. Several ranks may fail together (the others'
+// collectives break when one exits): a worker killed from outside is the cause, else the
+// first error written (any rank that recorded one counts, even one stopped while exiting).
+void report_failure(const Ending& e, const std::filesystem::path& errdir) {
+  int64_t failed = e.killed >= 0 ? e.killed : e.failed;
+  std::string err;
+  long long first = -1;
+  for (int64_t r = 0; r < static_cast<int64_t>(e.statuses.size()) && e.killed < 0; ++r) {
+    const std::string text = read_file(errdir / ("rank" + std::to_string(r)));
+    const auto nl = text.find('\n');
+    const long long t = nl == std::string::npos ? -1 : std::atoll(text.substr(0, nl).c_str());
+    if (t >= 0 && (first < 0 || t < first)) {
+      first = t;
+      failed = r;
+      err = text.substr(nl + 1);
     }
-    std::fprintf(stderr, "dhp: rank %lld failed (%s)%s%s; stopped the other workers\n", static_cast<long long>(failed),
-                 describe_status(statuses[failed]).c_str(), err.empty() ? "" : ": ", err.c_str());
+  }
+  std::fprintf(stderr, "dhp: rank %lld failed (%s)%s%s; stopped the other workers\n", static_cast<long long>(failed),
+               describe_status(e.statuses[failed]).c_str(), err.empty() ? "" : ": ", err.c_str());
+}
+
+int run_attempt(int64_t nproc, const std::vector<std::string>& argv, int64_t restart, bool& worker_failed) {
+  namespace fs = std::filesystem;
+  worker_failed = false;
+  const int port = std::getenv("MASTER_PORT") ? static_cast<int>(*env_int("MASTER_PORT")) : free_port();
+  const fs::path errdir = fs::temp_directory_path() / ("dhp-errors-" + std::to_string(::getpid()));
+  fs::create_directories(errdir);
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  const auto ending = supervise(start_workers(nproc, argv, restart, port, errdir));
+  int rc = 0;
+  if (ending.failed >= 0) {
+    report_failure(ending, errdir);
     rc = 1;
     worker_failed = !g_stop_signal;
   } else if (g_stop_signal) {
