@@ -182,11 +182,50 @@ TEST(ProcessGroups, BuiltFromALayoutOnDisjointRanks) {
       auto x = torch::full({1}, static_cast<float>(r));
       t.dp.all_reduce_sum_(x);
       EXPECT_EQ(x.item<float>(), r % 2 == 0 ? 6.f : 8.f);
+      // The module group is never used: it has no communicator and says so when called.
+      EXPECT_FALSE(t.module.connected());
+      EXPECT_EQ(t.module.size(), 4);
       auto y = torch::full({1}, static_cast<float>(r));
-      t.module.all_reduce_sum_(y);
-      EXPECT_EQ(y.item<float>(), 14.f);
+      EXPECT_THROW(t.module.all_reduce_sum_(y), dhp::Error);
     }
   });
+}
+
+// Only the groups a strategy communicates on get a communicator (under NCCL each costs GPU
+// memory); the others know their members and refuse to communicate.
+TEST(ProcessGroups, OnlyTheGroupsAStrategyUsesAreConnected) {
+  auto layout = [](dhp::dist::Strategy s, int64_t sp, int64_t tp, int64_t dp) {
+    dhp::dist::ModuleLayout l;
+    l.name = "m";
+    l.strategy = s;
+    l.ranks = {0, 1, 2, 3};
+    l.sp = sp;
+    l.tp = tp;
+    l.dp = dp;
+    return l;
+  };
+  using S = dhp::dist::Strategy;
+  const auto sp = layout(S::kSequenceParallel, 2, 1, 2), tp = layout(S::kTensorParallel, 1, 2, 2),
+             z3 = layout(S::kZero3, 1, 1, 4);
+  run_ranks(4, [&](int64_t r, const dhp::dist::Store& store) {
+    auto a = dhp::dist::make_process_groups(store, sp, r, kTestTimeout);
+    EXPECT_TRUE(a.sp.connected() && a.data.connected());
+    EXPECT_FALSE(a.dp.connected());  // sp x dp reduces on data; dp alone is never used
+    EXPECT_EQ(a.dp.size(), 2);
+    EXPECT_FALSE(a.module.connected());
+    auto x = torch::ones({1});
+    a.data.all_reduce_sum_(x);
+    EXPECT_EQ(x.item<float>(), 4.f);
+    EXPECT_THROW(a.dp.all_reduce_sum_(x), dhp::Error);
+    auto b = dhp::dist::make_process_groups(store, tp, r, kTestTimeout);
+    EXPECT_TRUE(b.tp.connected() && b.dp.connected() && b.data.connected());
+    EXPECT_EQ(b.data.ranks(), b.dp.ranks());
+    auto c = dhp::dist::make_process_groups(store, z3, r, kTestTimeout);
+    EXPECT_TRUE(c.dp.connected());
+    EXPECT_EQ(c.dp.size(), 4);
+  });
+  EXPECT_FALSE(dhp::dist::groups_used(S::kZero3).data);
+  EXPECT_TRUE(dhp::dist::groups_used(S::kDataParallel).data);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "dhp/core/memory.h"
 #include "dhp/data/shapes.h"
 #include "dhp/nn/attention.h"
+#include "dhp/parallel/zero.h"
 #include "dhp/train/parallel_model.h"
 #include "dhp/train/trainer.h"
 #include "errors.h"
@@ -30,11 +31,7 @@ dhp::Config with_device(const std::string& d, std::vector<std::string> sets = {}
 TEST(Device, ResolvesCpuAndNamesWhatIsMissingForCuda) {
   dhp::train::Runtime one;
   EXPECT_TRUE(dhp::train::resolve_device(with_device("cpu"), one).is_cpu());
-  dhp::train::Runtime two;
-  two.world = 2;
-  auto msg = error_of([&] { dhp::train::resolve_device(with_device("cuda"), two); });
-  EXPECT_NE(msg.find("training.device=cuda in a job of 2 ranks"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("Gloo"), std::string::npos) << msg;
+  std::string msg;
   const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
   if (count == 0) {
     msg = error_of([&] { dhp::train::resolve_device(with_device("cuda"), one); });
@@ -46,6 +43,59 @@ TEST(Device, ResolvesCpuAndNamesWhatIsMissingForCuda) {
     msg = error_of([&] { dhp::train::resolve_device(with_device(past), one); });
     EXPECT_NE(msg.find("has " + std::to_string(count) + " CUDA device(s)"), std::string::npos) << msg;
   }
+}
+
+// A rank's device and backend from training.device and parallel.backend, for machines this
+// one is not (place_rank takes the device count and the build's NCCL as inputs).
+TEST(Device, PlacementFollowsDeviceBackendAndLocalRank) {
+  using dhp::dist::Backend;
+  using dhp::train::place_rank;
+  const torch::Device cpu(torch::kCPU);
+  auto cuda = [](int i) { return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(i)); };
+  EXPECT_EQ(place_rank("cpu", "auto", 4, 3, 8, true).device, cpu);
+  EXPECT_EQ(place_rank("cpu", "auto", 4, 3, 8, true).backend, Backend::kGloo);
+  // auto: NCCL on CUDA where the build has it, every rank on its own GPU.
+  EXPECT_EQ(place_rank("cuda", "auto", 4, 3, 8, true).device, cuda(3));
+  EXPECT_EQ(place_rank("cuda", "auto", 4, 3, 8, true).backend, Backend::kNccl);
+  EXPECT_EQ(place_rank("cuda", "auto", 4, 3, 8, false).backend, Backend::kGloo);
+  EXPECT_EQ(place_rank("cuda", "auto", 1, 0, 8, true).device, cuda(0));
+  // Gloo on CUDA: ranks share the GPUs there are (the parity matrix on one GPU).
+  EXPECT_EQ(place_rank("cuda", "gloo", 4, 3, 1, true).device, cuda(0));
+  EXPECT_EQ(place_rank("cuda", "gloo", 4, 3, 2, true).device, cuda(1));
+  EXPECT_EQ(place_rank("cuda:1", "gloo", 4, 3, 2, true).device, cuda(1));
+  EXPECT_EQ(place_rank("cuda:1", "nccl", 1, 0, 2, true).device, cuda(1));
+  // Refusals name the setting and the way out.
+  auto msg = error_of([&] { place_rank("cuda", "nccl", 4, 3, 2, true); });
+  EXPECT_NE(msg.find("local rank 3 needs cuda:3 but this machine has 2 CUDA device(s)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("parallel.backend=gloo"), std::string::npos) << msg;
+  msg = error_of([&] { place_rank("cuda:0", "auto", 2, 1, 2, true); });
+  EXPECT_NE(msg.find("puts all 2 ranks on one GPU, which NCCL refuses"), std::string::npos) << msg;
+  msg = error_of([&] { place_rank("cpu", "nccl", 2, 0, 2, true); });
+  EXPECT_NE(msg.find("parallel.backend=nccl with training.device=cpu"), std::string::npos) << msg;
+  msg = error_of([&] { place_rank("cuda", "nccl", 2, 0, 2, false); });
+  EXPECT_NE(msg.find("without NCCL"), std::string::npos) << msg;
+  msg = error_of([&] { place_rank("cuda", "auto", 2, 0, 0, true); });
+  EXPECT_NE(msg.find("no CUDA device is usable here"), std::string::npos) << msg;
+  msg = error_of([&] { place_rank("cuda:2", "gloo", 1, 0, 2, true); });
+  EXPECT_NE(msg.find("has 2 CUDA device(s) (0..1)"), std::string::npos) << msg;
+  msg = error_of([&] { dhp::load_config("", {"parallel.backend=mpi"}); });
+  EXPECT_NE(msg.find("parallel.backend='mpi' is not auto, nccl or gloo"), std::string::npos) << msg;
+}
+
+// ZeRO-1's masters, moments, decay mask, padding and norm live on the parameters' device.
+TEST(Device, ZeroOneStateFollowsTheParameters) {
+  const auto meta = torch::TensorOptions().device(torch::kMeta);
+  std::vector<dhp::optim::NamedParam> params;
+  params.push_back({"w", torch::empty({4, 3}, meta).requires_grad_(true), true});
+  params.push_back({"b", torch::empty({5}, meta).requires_grad_(true), false});
+  dhp::parallel::Zero1AdamW z(params, dhp::optim::AdamWOptions{}, dhp::dist::Group());
+  EXPECT_TRUE(z.master().is_meta() && z.exp_avg().is_meta() && z.exp_avg_sq().is_meta());
+  for (auto& p : params) p.param.mutable_grad() = torch::empty(p.param.sizes(), meta);
+  params[1].param.mutable_grad() = torch::Tensor();  // a parameter without a gradient: zeros
+  z.reduce_gradients();
+  EXPECT_TRUE(z.grad_sq_norm().is_meta());
+  z.step(1e-3);
+  EXPECT_TRUE(params[0].param.is_meta());
 }
 
 TEST(Device, TrainerStopsBeforeWorkOnAMissingDevice) {

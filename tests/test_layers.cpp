@@ -291,4 +291,38 @@ TEST(VisionTower, WindowedEqualsMaskedReferenceInProcessorOrder) {
   EXPECT_LT(err, 1e-5 * scale) << "max abs error " << err << " at output scale " << scale;
 }
 
+// The tower's rotary tables for one rank's rows (sequence parallelism) are those rows of the
+// whole table, and are built on the activations' device (meta stands in for a GPU: a table
+// built on the host and mixed in would not be meta). libtorch 1.13 has no meta index_select:
+// the device half is skipped there and runs on libtorch 2.x.
+TEST(VisionTower, RotaryRowsAreTheWholeTablesRowsOnTheActivationsDevice) {
+  auto v = small_vision();
+  dhp::qwen::VisionTransformer vt(v);
+  const std::vector<GridTHW> grids = {GridTHW{1, 12, 20}, GridTHW{1, 8, 8}};
+  const auto plan = dhp::qwen::make_vision_plan(grids, v);
+  const torch::Device cpu(torch::kCPU);
+  const auto [cos, sin] = vt->rotary(plan, cpu, 0, plan.num_patches);
+  ASSERT_EQ(cos.sizes(), (std::vector<int64_t>{plan.num_patches, v.head_dim()}));
+  const int64_t lo = 64, hi = 176;  // window boundaries of the first image (4x4 merged units of 4 rows)
+  const auto [c2, s2] = vt->rotary(plan, cpu, lo, hi);
+  EXPECT_TRUE(torch::equal(c2, cos.narrow(0, lo, hi - lo)));
+  EXPECT_TRUE(torch::equal(s2, sin.narrow(0, lo, hi - lo)));
+  // Row i of the window order is patch window_index's: its (h, w) angles, by hand for one row.
+  const int64_t unit = v.spatial_merge_size * v.spatial_merge_size;
+  const int64_t row = 70, patch = plan.window_index[row / unit] * unit + row % unit;
+  const auto pos = plan.pos_ids[patch];
+  const auto inv = dhp::nn::rope_inv_freq(v.head_dim() / 2, v.rope_theta);
+  const auto f = torch::cat({pos[0].to(torch::kFloat32) * inv, pos[1].to(torch::kFloat32) * inv});
+  EXPECT_TRUE(torch::allclose(cos[row], torch::cat({f, f}).cos()));
+  try {
+    auto i = torch::zeros({1}, torch::kInt64).to(torch::kMeta);
+    torch::empty({4, 2}, torch::TensorOptions().device(torch::kMeta)).index_select(0, i);
+  } catch (const c10::NotImplementedError&) {
+    GTEST_SKIP() << "this libtorch has no meta kernel for index_select";
+  }
+  const auto [cm, sm] = vt->rotary(plan, torch::Device(torch::kMeta), lo, hi);
+  EXPECT_TRUE(cm.is_meta() && sm.is_meta());
+  EXPECT_EQ(cm.sizes(), c2.sizes());
+}
+
 }  // namespace

@@ -265,6 +265,33 @@ TEST(NcclTransfers, EveryPlacementRunsWithoutDeadlock) {
   }
 }
 
+// moves_between_ranks (which decides whether the NCCL transfer groups are made) agrees with
+// the plans themselves: false only where no micro-batch of 1-12 samples moves a row between
+// ranks; true only where some does.
+TEST(NcclTransfers, TransferGroupsAreNeededExactlyWhereRowsCrossRanks) {
+  std::vector<std::pair<std::string, std::vector<ModuleLayout>>> cases = placements();
+  for (const auto& c : dhp::testing::parity_matrix()) {
+    cases.emplace_back(c.name, dhp::train::resolve_layouts(dhp::testing::parity_config(c.sets), c.world).modules);
+  }
+  // Same ranks and replicas, and the same ranks in other replicas: the two sides of the rule.
+  cases.push_back({"dp2_both_same", {module_layout("vision", "dp", {0, 1}, 2, 1, 1), module_layout("text", "dp", {0, 1}, 2, 1, 1)}});
+  cases.push_back({"dp2_both_swapped", {module_layout("vision", "dp", {0, 1}, 2, 1, 1), module_layout("text", "dp", {1, 0}, 2, 1, 1)}});
+  int64_t local_only = 0;
+  for (const auto& [name, modules] : cases) {
+    for (size_t e = 0; e + 1 < modules.size(); ++e) {
+      bool crossed = false;
+      for (int64_t n = 1; n <= 12; ++n) {
+        const auto plan = dhp::parallel::plan_redistribute(modules[e], modules.back(), std::vector<int64_t>(n, 3));
+        for (const auto* pieces : {&plan.forward, &plan.backward})
+          for (const auto& p : *pieces) crossed = crossed || p.src != p.dst;
+      }
+      EXPECT_EQ(dhp::parallel::moves_between_ranks(modules[e], modules.back()), crossed) << name << " encoder " << e;
+      local_only += crossed ? 0 : 1;
+    }
+  }
+  EXPECT_GE(local_only, 2) << "the cases include layouts that need no transfer group";
+}
+
 // The simulator finds the deadlocks of the order before train/transfers.h.
 TEST(NcclTransfers, TheEagerSingleGroupOrderDeadlocks) {
   const auto disjoint = dhp::testing::parity_config(dhp::testing::kSp2TextTp2Disjoint);
@@ -309,6 +336,19 @@ TEST(NcclTransfers, ARankThatAlsoReceivesPostsItsSendsWithItsReceives) {
   EXPECT_TRUE(at_once.messages[0].send);
   EXPECT_EQ(at_once.messages[0].peer, 1);
   EXPECT_TRUE(dhp::train::posting(ra, only_send, 0, 1).messages.empty());
+  // posts_sends answers what posting's messages say, for every rank and transfer action.
+  for (const auto* p : {&plan, &only_send}) {
+    for (const Action& a : {sa, ra, sg, Action{Op::kRecvGrads, 0, 0}}) {
+      for (int64_t rank : {0, 1}) {
+        bool any = false;
+        for (const auto& m : dhp::train::posting(a, *p, rank, 1).messages) any = any || m.send;
+        EXPECT_EQ(dhp::train::posts_sends(a, *p, rank), any) << dhp::train::action_name(a, {v, text}) << " rank " << rank;
+      }
+    }
+  }
+  EXPECT_TRUE(dhp::train::posts_sends(ra, plan, 0));
+  EXPECT_FALSE(dhp::train::posts_sends(sa, plan, 0));
+  EXPECT_TRUE(dhp::train::posts_sends(sa, only_send, 0));
 }
 
 }  // namespace

@@ -68,7 +68,7 @@ void check(int64_t ws) {
       set_grads(ps, s, r, ws);
       if (s == 1) {  // step() reduces by itself otherwise
         z.reduce_gradients();
-        sq_by_rank[static_cast<size_t>(r)].push_back(z.grad_sq_norm());
+        sq_by_rank[static_cast<size_t>(r)].push_back(z.grad_sq_norm().item<double>());
       }
       z.step(0.01 * (s + 1));
       z.zero_grad();

@@ -64,6 +64,7 @@ dhp::train::Runtime worker_runtime(const std::optional<dhp::launch::WorkerEnv>& 
     rt.rank = env->rank;
     rt.world = env->world;
     rt.local_world = env->local_world;
+    rt.local_rank = env->local_rank;
     if (rt.world > 1) {
       rt.store = std::make_shared<dhp::dist::Store>(
           dhp::dist::make_tcp_store(env->master_addr, env->master_port, rt.world, rt.rank == 0, rt.timeout));

@@ -13,6 +13,10 @@
 #if DHP_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
+#if DHP_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#endif
 
 #include <algorithm>
 #include <functional>
@@ -33,6 +37,7 @@ struct Group::Impl {
   c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
 #endif
   std::chrono::milliseconds timeout{0};
+  torch::Device device{torch::kCPU};          // the group's tensors' device (NCCL: its CUDA device)
   std::mutex mu;                              // guards pending (copies of a Group share it)
   std::vector<std::function<void()>> pending;  // waits of queued sends
 
@@ -50,18 +55,50 @@ namespace {
 
 thread_local CommStats tls_stats;
 
-// Adds the wall time of one collective to this thread's statistics.
+#if DHP_WITH_CUDA
+// A call's span on its CUDA stream, read (and the host synchronized) by comm_stats().
+struct StreamSpan {
+  std::shared_ptr<at::cuda::CUDAEvent> start, end;
+};
+thread_local std::vector<StreamSpan> tls_spans;
+#endif
+
+// Adds one call to this thread's statistics: its wall time, or, for work ordered on a CUDA
+// stream (`stream` = that device), the stream's time between two events.
 struct CommTimer {
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   int64_t bytes;
-  explicit CommTimer(const torch::Tensor& t) : bytes(t.numel() * static_cast<int64_t>(t.element_size())) {}
-  explicit CommTimer(int64_t b) : bytes(b) {}
+#if DHP_WITH_CUDA
+  StreamSpan span;
+  c10::DeviceIndex index = -1;
+#endif
+  CommTimer(int64_t b, const torch::Device& stream) : bytes(b) {
+#if DHP_WITH_CUDA
+    if (stream.is_cuda()) {
+      index = stream.index();
+      span.start = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+      span.start->record(at::cuda::getCurrentCUDAStream(index));
+    }
+#else
+    (void)stream;
+#endif
+  }
   ~CommTimer() {
-    tls_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tls_stats.calls += 1;
     tls_stats.bytes += bytes;
+#if DHP_WITH_CUDA
+    if (span.start) {
+      span.end = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+      span.end->record(at::cuda::getCurrentCUDAStream(index));
+      tls_spans.push_back(std::move(span));
+      return;
+    }
+#endif
+    tls_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 };
+
+int64_t bytes_of(const torch::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
 // Gloo (libtorch 1.13) has no bfloat16 (nor int16): bf16 tensors travel as fp16 bit
 // patterns where the data only moves, and 16-bit floats are summed in fp32 (better than
@@ -75,7 +112,16 @@ torch::Tensor as_bits(const torch::Tensor& t) {
 
 }  // namespace
 
-CommStats comm_stats() { return tls_stats; }
+CommStats comm_stats() {
+#if DHP_WITH_CUDA
+  for (auto& s : tls_spans) {
+    s.end->synchronize();
+    tls_stats.seconds += static_cast<double>(s.start->elapsed_time(*s.end)) / 1e3;
+  }
+  tls_spans.clear();
+#endif
+  return tls_stats;
+}
 
 bool nccl_available() {
 #if DHP_WITH_NCCL
@@ -108,8 +154,32 @@ Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool
 
 Group::Group() = default;
 
+Group Group::unconnected(const std::string& name, std::vector<int64_t> ranks, int64_t global_rank) {
+  Group g;
+  g.ranks_ = std::move(ranks);
+  g.name_ = name;
+  auto it = std::find(g.ranks_.begin(), g.ranks_.end(), global_rank);
+  DHP_CHECK(it != g.ranks_.end(), "group '", name, "': rank ", global_rank, " is not a member");
+  g.rank_ = static_cast<int64_t>(it - g.ranks_.begin());
+  return g;
+}
+
+Backend Group::backend() const {
+#if DHP_WITH_NCCL
+  if (impl_ && impl_->nccl) return Backend::kNccl;
+#endif
+  return Backend::kGloo;
+}
+
+bool Group::alone(const char* what) const {
+  if (impl_) return false;
+  DHP_CHECK(size() == 1, "group '", name_, "' (", size(), " members) is not connected: no communicator was made ",
+            "for it because no strategy was meant to use it, yet ", what, " was called on it");
+  return true;
+}
+
 Group::Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
-             std::chrono::milliseconds timeout, Backend backend)
+             std::chrono::milliseconds timeout, Backend backend, torch::Device device)
     : ranks_(std::move(ranks)), name_(name) {
   auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
   DHP_CHECK(it != ranks_.end(), "group '", name, "': rank ", global_rank, " is not a member");
@@ -118,12 +188,21 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dhp/" + name, store.impl()->store);
   impl_ = std::make_shared<Impl>();
   impl_->timeout = timeout;
+  impl_->device = device;
   if (backend == Backend::kNccl) {
 #if DHP_WITH_NCCL
+    DHP_CHECK(device.is_cuda() && device.has_index(), "group '", name, "': NCCL needs this rank's CUDA device, got ",
+              device.str());
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout;
     impl_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, static_cast<int>(rank_),
                                                               static_cast<int>(size()), opts);
+#if DHP_TORCH_AT_LEAST(2, 3)
+    // One communicator over the members, made now on every member: point-to-point batches
+    // (exchange) run on it instead of making a communicator per pair on first use.
+    impl_->nccl->setBoundDeviceId(device);
+    impl_->nccl->eagerConnectSingleDevice(device);
+#endif
 #else
     DHP_FAIL("group '", name, "': NCCL was asked for (CUDA tensors) but this dhp was built against a libtorch ",
              "without NCCL; rebuild against a CUDA libtorch");
@@ -140,30 +219,36 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
   barrier();
 }
 
+// Gloo's reductions run on host tensors, 16-bit floats widened to fp32 (see is_half).
+bool gloo_stages(const torch::Tensor& t) { return !t.is_cpu() || is_half(t); }
+torch::Tensor gloo_copy(const torch::Tensor& t) {
+  return t.to(torch::TensorOptions().device(torch::kCPU).dtype(is_half(t) ? torch::kFloat32 : t.scalar_type()));
+}
+
 void Group::all_reduce_sum_(torch::Tensor& t) const {
-  if (!impl_) return;
+  if (alone("all_reduce_sum_")) return;
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
-  if (impl_->gloo && is_half(t)) {
-    auto wide = t.to(torch::kFloat32);
-    all_reduce_sum_(wide);
-    t.copy_(wide);
+  if (impl_->gloo && gloo_stages(t)) {
+    auto host = gloo_copy(t);
+    all_reduce_sum_(host);
+    t.copy_(host);
     return;
   }
-  CommTimer timer(t);
+  CommTimer timer(bytes_of(t), t.device());
   std::vector<torch::Tensor> v{t};
   impl_->with_pg([&](auto& pg) { pg.allreduce(v)->wait(); });
 }
 
 void Group::all_reduce_max_(torch::Tensor& t) const {
-  if (!impl_) return;
+  if (alone("all_reduce_max_")) return;
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
-  if (impl_->gloo && is_half(t)) {
-    auto wide = t.to(torch::kFloat32);
-    all_reduce_max_(wide);
-    t.copy_(wide);
+  if (impl_->gloo && gloo_stages(t)) {
+    auto host = gloo_copy(t);
+    all_reduce_max_(host);
+    t.copy_(host);
     return;
   }
-  CommTimer timer(t);
+  CommTimer timer(bytes_of(t), t.device());
   std::vector<torch::Tensor> v{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
@@ -175,7 +260,7 @@ torch::Tensor Group::reduce_scatter_sum(const torch::Tensor& flat) const {
             "': needs a 1-D tensor whose length is a multiple of the ", size(), " members, got shape ",
             flat.sizes());
   const int64_t n = flat.numel() / size();
-  if (!impl_) return flat.to(torch::kFloat32);
+  if (alone("reduce_scatter_sum")) return flat.to(torch::kFloat32);
   // All-to-all (Gloo in libtorch 1.13 has no reduce-scatter): chunk j goes to member j,
   // which then holds every member's copy of its chunk and adds them up.
   const std::vector<int64_t> rows(static_cast<size_t>(size()), n);
@@ -187,10 +272,11 @@ torch::Tensor Group::reduce_scatter_sum(const torch::Tensor& flat) const {
 }
 
 torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {
-  if (!impl_) return t;
+  if (alone("all_gather")) return t;
+  if (impl_->gloo && !t.is_cpu()) return all_gather(t.cpu(), dim).to(t.device());
   const bool bits = impl_->gloo && is_half(t);
   auto in = bits ? as_bits(t.contiguous()) : t.contiguous();
-  CommTimer timer(in);
+  CommTimer timer(bytes_of(in), in.device());
   std::vector<torch::Tensor> inputs{in};
   std::vector<std::vector<torch::Tensor>> outputs(1);
   for (int64_t i = 0; i < size(); ++i) outputs[0].push_back(torch::empty_like(in));
@@ -204,7 +290,8 @@ torch::Tensor Group::all_to_all(const torch::Tensor& t, const std::vector<int64_
   DHP_CHECK(static_cast<int64_t>(send_rows.size()) == size() && static_cast<int64_t>(recv_rows.size()) == size(),
             "all_to_all on group '", name_, "': ", send_rows.size(), " send and ", recv_rows.size(),
             " receive splits for ", size(), " members");
-  if (!impl_) return t;
+  if (alone("all_to_all")) return t;
+  if (impl_->gloo && !t.is_cpu()) return all_to_all(t.cpu(), send_rows, recv_rows).to(t.device());
   const bool bits = impl_->gloo && is_half(t);
   auto in = bits ? as_bits(t.contiguous()) : t.contiguous();
   int64_t total = 0;
@@ -212,24 +299,40 @@ torch::Tensor Group::all_to_all(const torch::Tensor& t, const std::vector<int64_
   auto shape = in.sizes().vec();
   shape[0] = total;
   auto out = torch::empty(shape, in.options());
-  CommTimer timer(in);
+  CommTimer timer(bytes_of(in), in.device());
   auto send = send_rows, recv = recv_rows;
   impl_->with_pg([&](auto& pg) { pg.alltoall_base(out, in, recv, send)->wait(); });
   return bits ? out.view(t.scalar_type()) : out;
 }
 
 void Group::barrier() const {
-  if (!impl_) return;
-  impl_->with_pg([&](auto& pg) { pg.barrier()->wait(); });
+  if (alone("barrier")) return;
+#if DHP_WITH_NCCL
+  if (impl_->nccl) {
+    // A one-element sum on the group's own device, then the host waits for it (NCCL's own
+    // barrier guesses a device from the rank).
+    auto t = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(impl_->device));
+    std::vector<torch::Tensor> v{t};
+    impl_->nccl->allreduce(v)->wait();
+    (void)t.cpu();
+    return;
+  }
+#endif
+  impl_->gloo->barrier()->wait();
 }
 
 void Group::send(const torch::Tensor& t, int64_t dst, int64_t tag) const {
   DHP_CHECK(dst >= 0 && dst < size() && dst != rank_, "send on group '", name_, "': bad destination member ", dst,
             " (this is member ", rank_, " of ", size(), ")");
   DHP_CHECK(t.is_contiguous(), "send on group '", name_, "': the tensor must be contiguous");
-  CommTimer timer(t);
-  auto keep = std::make_shared<std::vector<torch::Tensor>>(1, impl_->gloo ? as_bits(t) : t);
-  auto work = impl_->with_pg([&](auto& pg) { return pg.send(*keep, static_cast<int>(dst), static_cast<int>(tag)); });
+  if (alone("send")) return;
+#if DHP_WITH_NCCL
+  if (impl_->nccl) return exchange({{t, dst}}, {}, tag);  // a batch of one, on the group's communicator
+#endif
+  CommTimer timer(bytes_of(t), torch::kCPU);
+  // Gloo reads host memory: a CUDA tensor is copied out first (the copy is what is kept).
+  auto keep = std::make_shared<std::vector<torch::Tensor>>(1, as_bits(t.cpu()));
+  auto work = impl_->gloo->send(*keep, static_cast<int>(dst), static_cast<int>(tag));
   const auto timeout = impl_->timeout;
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->pending.push_back([work, keep, timeout] { work->wait(timeout); });
@@ -239,22 +342,37 @@ void Group::recv(torch::Tensor& t, int64_t src, int64_t tag) const {
   DHP_CHECK(src >= 0 && src < size() && src != rank_, "recv on group '", name_, "': bad source member ", src,
             " (this is member ", rank_, " of ", size(), ")");
   DHP_CHECK(t.is_contiguous(), "recv on group '", name_, "': the tensor must be contiguous");
-  CommTimer timer(t);
-  std::vector<torch::Tensor> v{impl_->gloo ? as_bits(t) : t};
-  auto work = impl_->with_pg([&](auto& pg) { return pg.recv(v, static_cast<int>(src), static_cast<int>(tag)); });
+  if (alone("recv")) return;
+#if DHP_WITH_NCCL
+  if (impl_->nccl) return exchange({}, {{t, src}}, tag);
+#endif
+  if (!t.is_cpu()) {  // Gloo writes host memory
+    auto host = torch::empty(t.sizes(), t.options().device(torch::kCPU));
+    recv(host, src, tag);
+    t.copy_(host);
+    return;
+  }
+  CommTimer timer(bytes_of(t), torch::kCPU);
+  std::vector<torch::Tensor> v{as_bits(t)};
+  auto work = impl_->gloo->recv(v, static_cast<int>(src), static_cast<int>(tag));
   work->wait(impl_->timeout);
 }
 
 void Group::exchange(const std::vector<std::pair<torch::Tensor, int64_t>>& sends,
                      const std::vector<std::pair<torch::Tensor, int64_t>>& recvs, int64_t tag) const {
   if (sends.empty() && recvs.empty()) return;
+  if (alone("exchange")) return;
 #if DHP_WITH_NCCL
   if (impl_->nccl) {
     auto keep = std::make_shared<std::vector<std::vector<torch::Tensor>>>();
-    for (const auto& [t, dst] : sends) keep->push_back({t});
+    int64_t bytes = 0;
+    for (const auto& [t, dst] : sends) {
+      keep->push_back({t});
+      bytes += bytes_of(t);
+    }
     std::vector<std::vector<torch::Tensor>> into;
     for (const auto& [t, src] : recvs) into.push_back({t});
-    CommTimer timer(int64_t{0});
+    CommTimer timer(bytes, impl_->device);
     impl_->nccl->startCoalescing();
     for (size_t i = 0; i < sends.size(); ++i) impl_->nccl->send((*keep)[i], static_cast<int>(sends[i].second), 0);
     for (size_t i = 0; i < recvs.size(); ++i) impl_->nccl->recv(into[i], static_cast<int>(recvs[i].second), 0);
@@ -280,7 +398,7 @@ void Group::wait_sends() const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     pending.swap(impl_->pending);
   }
-  CommTimer timer(int64_t{0});
+  CommTimer timer(0, torch::kCPU);
   for (auto& w : pending) w();
 }
 

@@ -3,10 +3,15 @@
 // CUDA tensors when built against a CUDA libtorch (DHP_WITH_NCCL, see CMakeLists.txt); the
 // header is free of c10d types so that version-specific calls stay in comm.cpp.
 //
-// Contract: every collective is blocking and must be called by all members of the group,
-// in the same order. A Group of one (the default) makes every collective a local no-op.
-// A collective that does not complete within the group's timeout throws. A Group is not
-// thread-safe; distinct Groups may be used from distinct threads.
+// Contract: every collective must be called by all members of the group, in the same order.
+// Under Gloo it is blocking; under NCCL it is ordered on the current CUDA stream and the host
+// does not wait (a result is ready for the stream's next kernels; reading it on the host
+// synchronizes). A Group of one (the default) makes every collective a local no-op.
+// A collective that does not complete within the group's timeout throws (Gloo) or aborts the
+// communicator (NCCL's watchdog). A Group is not thread-safe; distinct Groups may be used from
+// distinct threads.
+// Gloo takes host tensors: a Gloo group given CUDA tensors (several ranks sharing one GPU,
+// where NCCL refuses) stages them through host copies, correct and slow.
 #pragma once
 
 #include <torch/types.h>
@@ -36,7 +41,9 @@ Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool
                      std::chrono::milliseconds timeout);
 
 // Time, calls and bytes sent (input sizes) of the collectives this thread has run (ranks are
-// processes or, in tests, threads); differences between two reads measure a step.
+// processes or, in tests, threads); differences between two reads measure a step. Work on
+// a CUDA stream (NCCL) is timed with CUDA events, from the stream reaching the call to the
+// stream passing it (host timers would see only the enqueue); a read waits for those events.
 struct CommStats {
   double seconds = 0;
   int64_t calls = 0;
@@ -58,8 +65,17 @@ class Group {
   // Collective over the members: creates the group's connections and returns once every
   // member has (a barrier). `name` must be unique per
   // group in the job and identical on every member; `ranks` are global ranks in group order.
+  // `device`: where the group's tensors live; NCCL binds its communicator to that CUDA
+  // device (created here, eagerly, so that later point-to-point batches reuse it).
   Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
-        std::chrono::milliseconds timeout, Backend backend = Backend::kGloo);
+        std::chrono::milliseconds timeout, Backend backend = Backend::kGloo,
+        torch::Device device = torch::Device(torch::kCPU));
+  // A group that is not connected (no communicator is made: no strategy uses it): it knows
+  // its members and this rank's position, and every communication on it throws.
+  static Group unconnected(const std::string& name, std::vector<int64_t> ranks, int64_t global_rank);
+  // Has this group a communicator (or is it the group of one)?
+  bool connected() const { return impl_ != nullptr || size() == 1; }
+  Backend backend() const;
 
   int64_t rank() const { return rank_; }  // position of this rank in ranks()
   int64_t size() const { return static_cast<int64_t>(ranks_.size()); }
@@ -101,6 +117,8 @@ class Group {
   void wait_sends() const;
 
  private:
+  // True when there is nothing to communicate (a group of one); throws on an unconnected group.
+  bool alone(const char* what) const;
   struct Impl;
   std::shared_ptr<Impl> impl_;
   std::vector<int64_t> ranks_{0};

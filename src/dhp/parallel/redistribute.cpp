@@ -83,30 +83,43 @@ RedistributePlan plan_redistribute(const dist::ModuleLayout& encoder, const dist
   return p;
 }
 
-void send_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& from, const dist::Group& job,
-                 int64_t rank, int64_t tag) {
+bool moves_between_ranks(const dist::ModuleLayout& encoder, const dist::ModuleLayout& decoder) {
+  if (encoder.dp != decoder.dp || encoder.size() != decoder.size()) return true;
+  for (int64_t i = 0; i < encoder.size(); ++i) {
+    const int64_t j = decoder.module_rank(encoder.ranks[static_cast<size_t>(i)]);
+    if (j < 0 || encoder.coord(i).dp != decoder.coord(j).dp) return true;
+  }
+  return false;
+}
+
+namespace {
+
+// This rank's outgoing pieces (src == rank != dst): rows of `from`, each with its destination.
+std::vector<std::pair<torch::Tensor, int64_t>> outgoing(const std::vector<RowPiece>& pieces,
+                                                        const torch::Tensor& from, int64_t rank) {
+  std::vector<std::pair<torch::Tensor, int64_t>> out;
   for (const auto& p : pieces) {
     if (p.src != rank || p.dst == rank) continue;
     DHP_CHECK(from.defined() && from.size(0) >= p.src_row + p.rows, "redistribute: rank ", rank, " must send rows [",
               p.src_row, ", ", p.src_row + p.rows, ") to rank ", p.dst, " but holds ",
               from.defined() ? from.size(0) : 0);
-    job.send(from.detach().narrow(0, p.src_row, p.rows).contiguous(), p.dst, tag);
+    out.emplace_back(from.detach().narrow(0, p.src_row, p.rows).contiguous(), p.dst);
   }
+  return out;
+}
+
+}  // namespace
+
+void send_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& from, const dist::Group& job,
+                 int64_t rank, int64_t tag) {
+  for (const auto& [t, dst] : outgoing(pieces, from, rank)) job.send(t, dst, tag);
 }
 
 torch::Tensor exchange_pieces(const std::vector<RowPiece>& pieces, bool send, const torch::Tensor& local, int64_t rows,
                               int64_t cols, const torch::TensorOptions& options, const dist::Group& group,
                               int64_t rank, int64_t tag) {
-  std::vector<std::pair<torch::Tensor, int64_t>> sends, recvs;
-  if (send) {
-    for (const auto& p : pieces) {
-      if (p.src != rank || p.dst == rank) continue;
-      DHP_CHECK(local.defined() && local.size(0) >= p.src_row + p.rows, "redistribute: rank ", rank,
-                " must send rows [", p.src_row, ", ", p.src_row + p.rows, ") to rank ", p.dst, " but holds ",
-                local.defined() ? local.size(0) : 0);
-      sends.emplace_back(local.detach().narrow(0, p.src_row, p.rows).contiguous(), p.dst);
-    }
-  }
+  std::vector<std::pair<torch::Tensor, int64_t>> recvs;
+  const auto sends = send ? outgoing(pieces, local, rank) : std::vector<std::pair<torch::Tensor, int64_t>>();
   std::vector<const RowPiece*> mine;
   for (const auto& p : pieces)
     if (p.dst == rank) mine.push_back(&p);

@@ -50,6 +50,10 @@ struct RedistributePlan {
 RedistributePlan plan_redistribute(const dist::ModuleLayout& encoder, const dist::ModuleLayout& decoder,
                                    const std::vector<int64_t>& rows_per_sample);
 
+// Does some micro-batch move rows (or their gradients) between distinct ranks? False
+// exactly when the two modules have the same ranks, the same number of replicas and every
+// rank in the same replica of both: then every piece of every plan is a local copy.
+bool moves_between_ranks(const dist::ModuleLayout& encoder, const dist::ModuleLayout& decoder);
 // This rank's sends of `pieces` (those with src == rank != dst): rows of `from` (rows, C).
 // Returns at once; the data leaves when the destination receives (job.wait_sends()).
 void send_pieces(const std::vector<RowPiece>& pieces, const torch::Tensor& from, const dist::Group& job,

@@ -14,8 +14,13 @@ namespace {
 
 using ShapeMap = std::map<std::string, std::vector<int64_t>>;
 
-// Squared L2 norm of a gradient in fp32.
-double sq_norm(const torch::Tensor& g) { return g.to(torch::kFloat32).pow(2).sum().item<double>(); }
+// Adds the squared L2 norm of `g` (summed in fp32) to `acc` (fp64, on g's device; no host sync).
+void add_sq_norm(torch::Tensor& acc, const torch::Tensor& g) {
+  auto sq = g.to(torch::kFloat32).pow(2).sum().to(torch::kFloat64);
+  acc = acc.defined() ? acc + sq : sq;
+}
+// The sum (a 0-dim fp64 tensor; 0 on the CPU when nothing was added).
+torch::Tensor or_zero(const torch::Tensor& acc) { return acc.defined() ? acc : torch::zeros({}, torch::kFloat64); }
 
 // The elements of `params`, and of their optimizer state when there is one: the two
 // moments, and fp32 masters unless the parameters are fp32, each over `state_slice`
@@ -82,7 +87,7 @@ class ReplicatedStrategy : public ModuleStrategy {
     else if (adam_) adam_->zero_grad();
   }
 
-  double reduce_gradients() override {
+  torch::Tensor reduce_gradients() override {
     if (zero1_) {  // reduce-scattered into the optimizer's slices: no full gradient is summed
       zero1_->reduce_gradients();
       memory_mark("gradients reduced");
@@ -98,12 +103,12 @@ class ReplicatedStrategy : public ModuleStrategy {
       all_reduce_grads(ps, groups_.data);
       memory_mark("gradients reduced");
     }
-    double sq = 0;
+    torch::Tensor sq;
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& g = params_[i].param.grad();
-      if (in_norm_[i] && g.defined()) sq += sq_norm(g);
+      if (in_norm_[i] && g.defined()) add_sq_norm(sq, g);
     }
-    return sq;
+    return or_zero(sq);
   }
 
   void scale_gradients(double factor) override {
@@ -221,11 +226,11 @@ class FullyShardedStrategy : public ModuleStrategy {
     if (adam_) adam_->zero_grad();
   }
 
-  double reduce_gradients() override {
-    double sq = 0;  // every slice element is unique over the job
+  torch::Tensor reduce_gradients() override {
+    torch::Tensor sq;  // every slice element is unique over the job
     for (const auto& p : params_)
-      if (p.param.grad().defined()) sq += sq_norm(p.param.grad());
-    return sq;
+      if (p.param.grad().defined()) add_sq_norm(sq, p.param.grad());
+    return or_zero(sq);
   }
 
   void scale_gradients(double factor) override {

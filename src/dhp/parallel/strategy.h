@@ -79,7 +79,8 @@ class ModuleStrategy {
   virtual void zero_grad() = 0;
   // Sums gradients over the module's data group (collective) and returns this rank's share
   // of the squared global gradient norm: summed over the job, every element counted once.
-  virtual double reduce_gradients() = 0;
+  // A 0-dim fp64 tensor on the gradients' device (read once a step, by the caller).
+  virtual torch::Tensor reduce_gradients() = 0;
   virtual void scale_gradients(double factor) = 0;  // clipping
   virtual void step(double lr) = 0;
   virtual void set_step_count(int64_t n) = 0;  // resuming: bias corrections continue from n

@@ -13,12 +13,15 @@ Zero1AdamW::Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOption
                        std::vector<bool> in_norm)
     : params_(std::move(params)), options_(options), group_(std::move(group)) {
   torch::NoGradGuard no_grad;
+  // The state lives where the parameters do (every tensor below is created on that device).
+  const auto on = torch::TensorOptions().dtype(torch::kFloat32).device(
+      params_.empty() ? torch::Device(torch::kCPU) : params_.front().param.device());
   DHP_CHECK(in_norm.empty() || in_norm.size() == params_.size(), "Zero1AdamW: ", in_norm.size(),
             " in_norm flags for ", params_.size(), " parameters");
   std::vector<torch::Tensor> flat, decay;
   for (const auto& p : params_) {
     flat.push_back(p.param.detach().reshape({-1}).to(torch::kFloat32));
-    decay.push_back(torch::full({p.param.numel()}, p.decay ? 1.f : 0.f));
+    decay.push_back(torch::full({p.param.numel()}, p.decay ? 1.f : 0.f, on));
   }
   if (!params_.empty()) dtype_ = params_.front().param.scalar_type();
   for (const auto& p : params_) {
@@ -31,7 +34,7 @@ Zero1AdamW::Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOption
   n_ = padded_ / ws;
   lo_ = group_.rank() * n_;
   auto pad = [&](const std::vector<torch::Tensor>& parts) {
-    return torch::cat({torch::cat(parts), torch::zeros({padded_ - total_})}).narrow(0, lo_, n_).clone();
+    return torch::cat({torch::cat(parts), torch::zeros({padded_ - total_}, on)}).narrow(0, lo_, n_).clone();
   };
   master_ = pad(flat);
   decay_ = pad(decay);
@@ -45,13 +48,13 @@ Zero1AdamW::Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOption
     }
     off += params_[i].param.numel();
   }
-  exp_avg_ = torch::zeros({n_});
-  exp_avg_sq_ = torch::zeros({n_});
+  exp_avg_ = torch::zeros({n_}, on);
+  exp_avg_sq_ = torch::zeros({n_}, on);
 }
 
 torch::Tensor Zero1AdamW::flat_grads() const {
   std::vector<torch::Tensor> parts;
-  const auto opts = torch::TensorOptions().dtype(dtype_);
+  const auto opts = master_.options().dtype(dtype_);
   for (const auto& p : params_) {
     auto g = p.param.grad();
     parts.push_back(g.defined() ? g.reshape({-1}).to(dtype_) : torch::zeros({p.param.numel()}, opts));
@@ -65,10 +68,10 @@ void Zero1AdamW::reduce_gradients() {
   grad_ = group_.reduce_scatter_sum(flat_grads());
 }
 
-double Zero1AdamW::grad_sq_norm() const {
+torch::Tensor Zero1AdamW::grad_sq_norm() const {
   DHP_CHECK(grad_.defined(), "Zero1AdamW::grad_sq_norm before reduce_gradients");
-  double sq = 0;
-  for (const auto& r : norm_ranges_) sq += grad_.narrow(0, r.first, r.second - r.first).pow(2).sum().item<double>();
+  auto sq = torch::zeros({}, grad_.options().dtype(torch::kFloat64));
+  for (const auto& r : norm_ranges_) sq += grad_.narrow(0, r.first, r.second - r.first).pow(2).sum().to(torch::kFloat64);
   return sq;
 }
 

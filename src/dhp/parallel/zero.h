@@ -25,8 +25,9 @@ class Zero1AdamW {
   // slice. Collective. step() calls it when it was not called since the last step.
   void reduce_gradients();
   // Sum of squares of this rank's slice of the summed gradients (after reduce_gradients()):
-  // summed over the group's ranks it is the squared gradient norm.
-  double grad_sq_norm() const;
+  // summed over the group's ranks it is the squared gradient norm. A 0-dim fp64 tensor on
+  // the parameters' device (no host sync).
+  torch::Tensor grad_sq_norm() const;
   // Multiplies the summed gradients (this rank's slice) by `factor` (clipping).
   void scale_gradients(double factor);
   void step(double lr);

@@ -83,7 +83,7 @@ struct TrainingOptions {
   double beta2 = 0.95;
   double eps = 1e-8;
   double grad_clip = 1.0;                 // max global grad norm (0 = off)
-  std::string device = "cpu";             // cpu, cuda or cuda:N (one process; see resolve_device)
+  std::string device = "cpu";             // cpu, cuda or cuda:N (see train::place_rank)
   int64_t threads = 0;                    // intra-op threads (0 = all cores)
   int64_t attention_block = 256;          // attention block length
   std::string memory_limit = "0";         // per-process CPU tensor budget, e.g. 8GiB (0 = none)
@@ -103,7 +103,7 @@ struct TrainingOptions {
     v.field("beta2", beta2, "AdamW beta2");
     v.field("eps", eps, "AdamW epsilon");
     v.field("grad_clip", grad_clip, "clip gradients to this global norm (0 = off)");
-    v.field("device", device, "where the model and its tensors live: cpu, cuda (GPU 0) or cuda:N; cuda runs one process only (multi-rank jobs communicate through Gloo on CPU tensors)");
+    v.field("device", device, "where the model and its tensors live: cpu, cuda (each rank on cuda:LOCAL_RANK; with parallel.backend=gloo ranks may share GPUs) or cuda:N (every rank on GPU N: one rank, or Gloo)");
     v.field("threads", threads, "intra-op threads (0 = all cores)");
     v.field("attention_block", attention_block, "attention block length (flash-style tiling)");
     v.field("memory_limit", memory_limit, "CPU tensor memory budget, e.g. 8GiB (0 = unlimited)");
@@ -145,6 +145,7 @@ struct ModuleParallelOptions {
 
 struct ParallelOptions {
   std::string strategy = "none";
+  std::string backend = "auto";  // auto | nccl | gloo (see train::place_rank)
   double timeout_s = 300;  // collective / rendezvous timeout
   bool pipeline = true;    // pipeline micro-batches between disjoint vision and text ranks
   ModuleParallelOptions vision, text;
@@ -154,6 +155,10 @@ struct ParallelOptions {
             "none (one process), dhp (vision sp + ZeRO-1, text tp), tp (both tp), zero3 (both zero3), "
             "dp (both data-parallel), custom (parallel.vision / parallel.text say) or auto (the planner picks the "
             "fastest layout that fits this machine, from dhp plan --calibrate; logged with the reason)");
+    v.field("backend", backend,
+            "what the module groups and the transfers communicate on: auto (NCCL on CUDA, Gloo on the CPU), nccl "
+            "or gloo (on CUDA: through host copies, so that ranks may share a GPU; for tests). Host bookkeeping "
+            "(loss sums, counts, barriers) always runs on a small Gloo group");
     v.field("timeout_s", timeout_s, "seconds a collective or the rendezvous may wait before the job fails");
     v.field("pipeline", pipeline,
             "when vision and text run on disjoint ranks, encode micro-batch i+1 while the text ranks work on i "

@@ -18,18 +18,42 @@
 
 namespace dhp::train {
 
-torch::Device resolve_device(const Config& cfg, const Runtime& rt) {
-  const std::string& d = cfg.training.device;
-  if (d == "cpu") return torch::Device(torch::kCPU);
-  DHP_CHECK(rt.world == 1, "training.device=", d, " in a job of ", rt.world, " ranks: dhp's process groups run on ",
-            "Gloo, which takes CPU tensors, so CUDA training runs as one process; use --nproc 1 or training.device=cpu");
-  const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
+Placement place_rank(const std::string& d, const std::string& backend, int64_t world, int64_t local_rank,
+                     int64_t count, bool nccl) {
+  Placement p;
+  if (d == "cpu") {
+    DHP_CHECK(backend != "nccl", "parallel.backend=nccl with training.device=cpu: NCCL moves CUDA tensors; use ",
+              "training.device=cuda, or parallel.backend=auto or gloo");
+    return p;
+  }
   DHP_CHECK(count > 0, "training.device=", d, " but no CUDA device is usable here (torch::cuda::device_count() = 0: ",
             "this libtorch is built without CUDA, or no GPU is visible); use training.device=cpu");
-  const int64_t index = d == "cuda" ? 0 : std::stoll(d.substr(5));
+  DHP_CHECK(backend != "nccl" || nccl, "parallel.backend=nccl but this dhp was built against a libtorch without NCCL; ",
+            "use parallel.backend=gloo, or rebuild against a CUDA libtorch (README, Building for GPUs)");
+  p.backend = backend == "gloo" || !nccl ? dist::Backend::kGloo : dist::Backend::kNccl;
+  const bool shared_ok = p.backend == dist::Backend::kGloo || world == 1;
+  int64_t index = 0;
+  if (d != "cuda") {
+    index = std::stoll(d.substr(5));
+    DHP_CHECK(shared_ok, "training.device=", d, " puts all ", world, " ranks on one GPU, which NCCL refuses; use ",
+              "training.device=cuda (rank r on cuda:LOCAL_RANK) or parallel.backend=gloo");
+  } else if (world > 1) {
+    DHP_CHECK(shared_ok || local_rank < count, "training.device=cuda with NCCL: local rank ", local_rank,
+              " needs cuda:", local_rank, " but this machine has ", count, " CUDA device(s); run at most ", count,
+              " ranks per machine, or parallel.backend=gloo to share GPUs");
+    index = local_rank % count;
+  }
   DHP_CHECK(index < count, "training.device=", d, " but this machine has ", count, " CUDA device(s) (0..", count - 1, ")");
-  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  p.device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+  return p;
 }
+
+Placement resolve_placement(const Config& cfg, const Runtime& rt) {
+  const auto count = cfg.training.device == "cpu" ? 0 : static_cast<int64_t>(torch::cuda::device_count());
+  return place_rank(cfg.training.device, cfg.parallel.backend, rt.world, rt.local_rank, count, dist::nccl_available());
+}
+
+torch::Device resolve_device(const Config& cfg, const Runtime& rt) { return resolve_placement(cfg, rt).device; }
 
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
   qwen::Qwen2_5_VL m(cfg.model.config);
@@ -76,11 +100,21 @@ void ParallelModel::release_parameters(const parallel::ModuleTarget& target) {
 ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Runtime& rt)
     : cfg_(cfg), layouts_(layouts), rt_(rt) {
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
-  if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", dist::iota_ranks(rt_.world), rt_.rank, rt_.timeout);
-  // Gradients travel on their own group where messages of one group run in order (NCCL,
-  // train/transfers.h rule 1); Gloo's sends do not wait for their receives: one group will do.
-  grads_ = job_;
-  device_ = resolve_device(cfg_, rt_);
+  place_ = resolve_placement(cfg_, rt_);
+  device_ = place_.device;
+  const auto everyone = dist::iota_ranks(rt_.world);
+  if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", everyone, rt_.rank, rt_.timeout);
+  // Under NCCL the transfers get groups of their own, activations and gradients apart (a
+  // group's messages run in order: train/transfers.h rule 1), made only where some rows cross
+  // ranks. Gloo's sends do not wait for their receives: the job group will do.
+  acts_ = grads_ = job_;
+  bool crossing = false;
+  for (size_t e = 0; e + 1 < layouts_.modules.size(); ++e)
+    crossing = crossing || parallel::moves_between_ranks(layouts_.modules[e], layouts_.decoder());
+  if (rt_.world > 1 && place_.backend == dist::Backend::kNccl && crossing) {
+    acts_ = dist::Group(*rt_.store, "transfers/activations", everyone, rt_.rank, rt_.timeout, place_.backend, device_);
+    grads_ = dist::Group(*rt_.store, "transfers/gradients", everyone, rt_.rank, rt_.timeout, place_.backend, device_);
+  }
   model_ = build_model(cfg_, /*load_from=*/false);  // model.from: each rank reads its slices below
   if (!device_.is_cpu()) model_->to(device_);       // before the optimizers take the parameters
   for (auto& kv : model_->named_parameters(true)) full_shapes_[kv.key()] = kv.value().sizes().vec();
@@ -93,7 +127,9 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     TORCH_INTERNAL_ASSERT(s.layout.name == targets[i]->name());
     s.member = s.layout.module_rank(rt_.rank) >= 0;
     // Collective over the job: every rank builds every module's groups, in module order.
-    if (rt_.world > 1) s.pg = dist::make_process_groups(*rt_.store, s.layout, rt_.rank, rt_.timeout);
+    if (rt_.world > 1) {
+      s.pg = dist::make_process_groups(*rt_.store, s.layout, rt_.rank, rt_.timeout, place_.backend, device_);
+    }
     s.pg.member = s.member;
     if (s.member) s.coord = s.layout.coord(s.layout.module_rank(rt_.rank));
     s.target = std::move(targets[i]);
@@ -160,13 +196,15 @@ ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vecto
     }
   }
   StepResult result;
+  torch::Tensor loss_sum;  // on the device, read once at the end of the step
   for (const auto& a : schedule(static_cast<int64_t>(micro.size()))) {
-    run_action(a, micro, global_targets, state, result);
+    run_action(a, micro, global_targets, state, result, loss_sum);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  job_.wait_sends();
+  acts_.wait_sends();
   grads_.wait_sends();
   result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (loss_sum.defined()) result.loss_sum = loss_sum.item<double>();
   return result;
 }
 
@@ -175,36 +213,52 @@ torch::Tensor ParallelModel::encode_chunk(int64_t encoder, std::vector<data::Sam
   const auto& es = stages_[static_cast<size_t>(encoder)];
   const auto ec = parallel::replica_chunk(n, es.layout.dp, es.coord.dp);
   // Encoder replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
+  const auto& mc = cfg_.model.config;
   if (es.strategy->replicas_run_together()) {
     for (int64_t v = 0; v < es.layout.dp; ++v) {
       const auto c = parallel::replica_chunk(n, es.layout.dp, v);
       bool any = false;
-      for (int64_t i = c.first; i < c.second; ++i) any = any || !mb[i].grids.empty();
+      for (int64_t i = c.first; i < c.second; ++i) any = any || qwen::encoder_rows(mc, encoder, mb[i].ids) > 0;
       DHP_CHECK(any, es.layout.name, " ", dist::strategy_name(es.layout.strategy), ": replica ", v,
-                " has no image in its samples ", c.first, "..", c.second - 1, " of micro-batch ", micro_batch,
-                "; every replica needs one");
+                " has no input for the module in its samples ", c.first, "..", c.second - 1, " of micro-batch ",
+                micro_batch, "; every replica needs one");
     }
   }
-  const auto& mc = cfg_.model.config;
   auto batch = qwen::to_device(
       data::collate(std::vector<data::Sample>(mb.begin() + ec.first, mb.begin() + ec.second), mc), device_);
   // Packed now: the samples' own copies of the pixels are no longer needed.
   for (int64_t i = ec.first; i < ec.second; ++i) mb[static_cast<size_t>(i)].pixel_values = torch::Tensor();
-  auto out = qwen::encode(*model_, encoder, batch);
+  auto out = encode(encoder, batch);
   batch = qwen::Batch();
-  if (!out.defined()) {
-    out = torch::zeros({0, mc.text.hidden_size}, torch::TensorOptions().dtype(dtype_).device(device_));
-  }
   return out;
 }
 
+torch::Tensor ParallelModel::encode(int64_t encoder, const qwen::Batch& batch) {
+  auto out = qwen::encode(*model_, encoder, batch);
+  if (out.defined()) return out;
+  return torch::zeros({0, cfg_.model.config.text.hidden_size}, torch::TensorOptions().dtype(dtype_).device(device_));
+}
+
+torch::Tensor ParallelModel::transfer(const Action& a, const parallel::RedistributePlan& plan,
+                                      const torch::Tensor& local) {
+  const auto& pieces = a.op == Op::kSendActivations || a.op == Op::kRecvActivations ? plan.forward : plan.backward;
+  const int64_t tag = transfer_tag(a, encoders());
+  const bool send = posts_sends(a, plan, rt_.rank);
+  if (a.op == Op::kSendActivations || a.op == Op::kSendGrads) {
+    if (send) parallel::send_pieces(pieces, local, channel(a), rt_.rank, tag);
+    return torch::Tensor();
+  }
+  const auto& rows = a.op == Op::kRecvActivations ? plan.decoder_rows : plan.encoder_rows;
+  const auto options = torch::TensorOptions().dtype(dtype_).device(device_);
+  return parallel::exchange_pieces(pieces, send, local, rows.at(rt_.rank), cfg_.model.config.text.hidden_size,
+                                   options, channel(a), rt_.rank, tag);
+}
+
 void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sample>>& micro,
-                               double global_targets, std::vector<MicroBatchState>& state, StepResult& result) {
+                               double global_targets, std::vector<MicroBatchState>& state, StepResult& result,
+                               torch::Tensor& loss_sum) {
   auto& mb = micro[static_cast<size_t>(a.micro_batch)];
   auto& st = state[static_cast<size_t>(a.micro_batch)];
-  const int64_t hidden = cfg_.model.config.text.hidden_size;
-  const int64_t tag = transfer_tag(a, encoders());
-  const auto options = torch::TensorOptions().dtype(dtype_).device(device_);
   const auto t0 = std::chrono::steady_clock::now();
   auto waited = [&] { result.wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   auto& tr = st.of[static_cast<size_t>(a.op == Op::kDecode ? 0 : a.module)];
@@ -213,29 +267,26 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
       tr.encoder_out = encode_chunk(a.module, mb, a.micro_batch);
       break;
     case Op::kSendActivations:
-      if (sends_now(a, tr)) parallel::send_pieces(tr.plan.forward, tr.encoder_out, channel(a), rt_.rank, tag);
+      transfer(a, tr.plan, tr.encoder_out);
       break;
-    case Op::kRecvActivations: {
-      auto in = parallel::exchange_pieces(tr.plan.forward, sends_now(a, tr), tr.encoder_out,
-                                          tr.plan.decoder_rows.at(rt_.rank), hidden, options, channel(a), rt_.rank, tag);
-      tr.decoder_in = in.detach().requires_grad_(true);
+    case Op::kRecvActivations:
+      tr.decoder_in = transfer(a, tr.plan, tr.encoder_out).detach().requires_grad_(true);
       waited();
       break;
-    }
-    case Op::kDecode:
-      result.loss_sum += decode_chunk(mb, st, global_targets);
+    case Op::kDecode: {
+      auto l = decode_chunk(mb, st, global_targets);
+      if (l.defined()) loss_sum = loss_sum.defined() ? loss_sum + l : l;
       break;
+    }
     case Op::kSendGrads: {
       auto g = tr.decoder_in.grad();
       if (!g.defined()) g = torch::zeros_like(tr.decoder_in);
       tr.decoder_in = g;  // the activations are no longer needed; keep what is sent
-      if (sends_now(a, tr)) parallel::send_pieces(tr.plan.backward, g, channel(a), rt_.rank, tag);
+      transfer(a, tr.plan, g);
       break;
     }
     case Op::kRecvGrads:
-      tr.encoder_grad = parallel::exchange_pieces(tr.plan.backward, sends_now(a, tr), tr.decoder_in,
-                                                  tr.plan.encoder_rows.at(rt_.rank), hidden, options, channel(a),
-                                                  rt_.rank, tag);
+      tr.encoder_grad = transfer(a, tr.plan, tr.decoder_in);
       waited();
       break;
     case Op::kEncodeBackward:
@@ -250,18 +301,12 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
   memory_mark(action_name(a, layouts_.modules).c_str());
 }
 
-bool ParallelModel::sends_now(const Action& a, const Transfer& tr) const {
-  for (const auto& m : posting(a, tr.plan, rt_.rank, encoders()).messages)
-    if (m.send) return true;
-  return false;
-}
-
 const dist::Group& ParallelModel::channel(const Action& a) const {
   const bool activations = a.op == Op::kSendActivations || a.op == Op::kRecvActivations;
-  return activations ? job_ : grads_;
+  return activations ? acts_ : grads_;
 }
 
-double ParallelModel::decode_chunk(std::vector<data::Sample>& mb, MicroBatchState& st, double global_targets) {
+torch::Tensor ParallelModel::decode_chunk(std::vector<data::Sample>& mb, MicroBatchState& st, double global_targets) {
   const auto& ds = decoder();
   const auto c = parallel::replica_chunk(static_cast<int64_t>(mb.size()), ds.layout.dp, ds.coord.dp);
   std::vector<torch::Tensor> rows;
@@ -270,7 +315,7 @@ double ParallelModel::decode_chunk(std::vector<data::Sample>& mb, MicroBatchStat
       data::collate(std::vector<data::Sample>(mb.begin() + c.first, mb.begin() + c.second), cfg_.model.config), device_);
   auto out = qwen::decode(*model_, batch, rows);
   (out.loss_sum / global_targets).backward();
-  return ds.coord.tp == 0 ? out.loss_sum.item<double>() : 0.0;
+  return ds.coord.tp == 0 ? out.loss_sum.detach().to(torch::kFloat64) : torch::Tensor();
 }
 
 void ParallelModel::zero_grad() {
@@ -280,10 +325,11 @@ void ParallelModel::zero_grad() {
 
 double ParallelModel::finish_step(double lr, double max_norm) {
   torch::NoGradGuard no_grad;
-  double sq = 0;
+  // Summed on the device and read once (one host sync for the step's norm).
+  auto sq = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat64).device(device_));
   for (auto& s : stages_)
-    if (s.strategy) sq += s.strategy->reduce_gradients();
-  const double norm = std::sqrt(sum_over_job(sq));
+    if (s.strategy) sq += s.strategy->reduce_gradients().to(device_);
+  const double norm = std::sqrt(sum_over_job(sq.item<double>()));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& s : stages_)
@@ -303,31 +349,21 @@ torch::Tensor ParallelModel::forward_logits(const qwen::Batch& host_batch) {
             "replica, but the layout (", describe(layouts_), ") has data-parallel replicas; set parallel.vision.dp=1 ",
             "and parallel.text.dp=1 (the strategy's own degree takes the ranks)");
   const auto& mc = cfg_.model.config;
-  const int64_t hidden = mc.text.hidden_size;
-  const auto options = torch::TensorOptions().dtype(dtype_).device(device_);
   const auto b = qwen::to_device(host_batch, device_);
   const auto& text = decoder();
   const auto ids_tensor = host_batch.input_ids.cpu().contiguous();
   const std::vector<int64_t> ids(ids_tensor.data_ptr<int64_t>(), ids_tensor.data_ptr<int64_t>() + ids_tensor.numel());
-  std::vector<parallel::RedistributePlan> plans;
-  std::vector<torch::Tensor> out(static_cast<size_t>(encoders()));
+  // The step's transfer actions for micro-batch 0, posted by the same rules (train/transfers.h).
+  std::vector<torch::Tensor> in(static_cast<size_t>(encoders()));
   for (int64_t e = 0; e < encoders(); ++e) {
     const auto& es = stages_[static_cast<size_t>(e)];
-    plans.push_back(parallel::plan_redistribute(es.layout, text.layout, {qwen::encoder_rows(mc, e, ids)}));
-    if (!es.member) continue;
-    auto& o = out[static_cast<size_t>(e)];
-    o = qwen::encode(*model_, e, b);
-    if (!o.defined()) o = torch::zeros({0, hidden}, options);
-    parallel::send_pieces(plans.back().forward, o, job_, rt_.rank, /*tag=*/2 * e);
+    const auto plan = parallel::plan_redistribute(es.layout, text.layout, {qwen::encoder_rows(mc, e, ids)});
+    const auto out = es.member ? encode(e, b) : torch::Tensor();
+    if (es.member) transfer({Op::kSendActivations, 0, e}, plan, out);
+    if (text.member) in[static_cast<size_t>(e)] = transfer({Op::kRecvActivations, 0, e}, plan, out);
   }
   torch::Tensor logits;
   if (text.member) {
-    std::vector<torch::Tensor> in;
-    for (int64_t e = 0; e < encoders(); ++e) {
-      const auto& p = plans[static_cast<size_t>(e)];
-      in.push_back(parallel::recv_pieces(p.forward, out[static_cast<size_t>(e)], p.decoder_rows.at(rt_.rank), hidden,
-                                         options, job_, rt_.rank, 2 * e));
-    }
     auto h = qwen::decode_hidden(*model_, b, in).first;
     auto head = [this](const torch::Tensor& x) {
       return torch::matmul(x, model_->lm_head_weight().t()).to(torch::kFloat32);
@@ -341,9 +377,10 @@ torch::Tensor ParallelModel::forward_logits(const qwen::Batch& host_batch) {
     logits = torch::empty({b.input_ids.size(0), mc.text.vocab_size}, torch::kFloat32);
     job_.recv(logits, owner, /*tag=*/1);
   } else if (rt_.rank == owner && text.layout.module_rank(0) < 0) {
-    job_.send(logits, 0, /*tag=*/1);
+    job_.send(logits.cpu(), 0, /*tag=*/1);  // the job group is the host's (Gloo, CPU tensors)
   }
   job_.wait_sends();
+  acts_.wait_sends();
   return rt_.rank == 0 ? logits.unsqueeze(0).cpu() : torch::Tensor();
 }
 
@@ -368,7 +405,7 @@ void ParallelModel::gather_full(Stage& s, std::map<std::string, torch::Tensor>& 
   } else if (rt_.rank == owner && s.layout.module_rank(0) < 0) {
     std::vector<torch::Tensor> parts;
     for (const auto& [name, t] : full) parts.push_back(t.reshape({-1}));  // map order = name order
-    job_.send(torch::cat(parts).to(dtype_), 0, /*tag=*/1 << 20);
+    job_.send(torch::cat(parts).to(dtype_).cpu(), 0, /*tag=*/1 << 20);
   }
   for (auto& [k, v] : full) out[k] = v.cpu();  // the tensor itself when it is there
 }

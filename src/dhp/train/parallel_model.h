@@ -37,6 +37,7 @@
 #include "dhp/train/config.h"
 #include "dhp/train/layouts.h"
 #include "dhp/optim/adamw.h"
+#include "dhp/parallel/redistribute.h"
 #include "dhp/parallel/strategy.h"
 #include "dhp/train/schedule.h"
 
@@ -56,6 +57,7 @@ struct FaultInjection {
 struct Runtime {
   int64_t rank = 0, world = 1;
   int64_t local_world = 0;             // ranks on this machine (0: all of them)
+  int64_t local_rank = 0;              // this rank's index on its machine (LOCAL_RANK)
   std::shared_ptr<dist::Store> store;  // required when world > 1
   std::chrono::milliseconds timeout{300000};
   bool optimizer = true;               // false: forward only (no optimizer state is allocated)
@@ -63,9 +65,22 @@ struct Runtime {
   FaultInjection faults;               // tests only; none by default
 };
 
-// The device of training.device for this process: cpu, or a CUDA device that this libtorch
-// and machine have. Throws dhp::Error naming training.device when the device is missing, or
-// when a multi-rank job asks for CUDA (its groups run on Gloo, which takes CPU tensors).
+// Where a rank's tensors live and what its module groups and transfers communicate on.
+struct Placement {
+  torch::Device device{torch::kCPU};
+  dist::Backend backend = dist::Backend::kGloo;
+};
+// The placement of `local_rank` in a job of `world` ranks, from training.device (`device`)
+// and parallel.backend (`backend`), on a machine with `device_count` CUDA devices and a build
+// with (`nccl`) or without NCCL. Pure. cpu: Gloo (nccl refused). cuda: one rank takes cuda:0;
+// several take cuda:LOCAL_RANK under NCCL (more ranks than GPUs refused: NCCL will not put
+// two ranks on one GPU) and cuda:(LOCAL_RANK mod count) under Gloo; cuda:N puts every rank
+// on N (refused for several ranks under NCCL). auto is NCCL on CUDA when the build has it.
+// Throws dhp::Error naming the setting and the way out.
+Placement place_rank(const std::string& device, const std::string& backend, int64_t world, int64_t local_rank,
+                     int64_t device_count, bool nccl);
+// place_rank for this process (torch::cuda::device_count(), dist::nccl_available()).
+Placement resolve_placement(const Config& cfg, const Runtime& rt);
 torch::Device resolve_device(const Config& cfg, const Runtime& rt);
 
 // Builds the model for a config: presets, init from the seed, model.from's weights (unless
@@ -139,14 +154,19 @@ class ParallelModel {
   // when its samples have nothing for it).
   torch::Tensor encode_chunk(int64_t encoder, std::vector<data::Sample>& mb, int64_t micro_batch);
   // Decoder forward and backward of this rank's replica's samples of `mb`; returns the loss
-  // sum this rank reports (0 on TP ranks other than the first).
-  double decode_chunk(std::vector<data::Sample>& mb, MicroBatchState& st, double global_targets);
-  // Does this rank post its sends of transfer action `a` at `a` (train/transfers.h)?
-  bool sends_now(const Action& a, const Transfer& tr) const;
+  // sum this rank reports, a 0-dim fp64 tensor on the device (undefined on TP ranks other
+  // than the first).
+  torch::Tensor decode_chunk(std::vector<data::Sample>& mb, MicroBatchState& st, double global_targets);
+  // Encoder `encoder`'s output rows for `batch` ((0, hidden) when it has no input for it).
+  torch::Tensor encode(int64_t encoder, const qwen::Batch& batch);
+  // Transfer action `a` (SA / RA / SG / RG) of `plan`, posted as train/transfers.h says:
+  // sends from `local` (this rank's source rows, may be undefined when it has none) and,
+  // at RA / RG, the received (rows, hidden) tensor (undefined at SA / SG).
+  torch::Tensor transfer(const Action& a, const parallel::RedistributePlan& plan, const torch::Tensor& local);
   // The group a transfer action's messages travel on (train/transfers.h: Channel).
   const dist::Group& channel(const Action& a) const;
   void run_action(const Action& a, std::vector<std::vector<data::Sample>>& micro, double global_targets,
-                  std::vector<MicroBatchState>& state, StepResult& result);
+                  std::vector<MicroBatchState>& state, StepResult& result, torch::Tensor& loss_sum);
   void release_parameters(const parallel::ModuleTarget& target);  // frees a module this rank does not host
   // Every parameter of one stage in full on rank 0 and on the stage's ranks (collective).
   void gather_full(Stage& s, std::map<std::string, torch::Tensor>& out);
@@ -157,8 +177,10 @@ class ParallelModel {
   Layouts layouts_;
   Runtime rt_;
   qwen::Qwen2_5_VL model_{nullptr};
-  dist::Group job_;
-  dist::Group grads_;  // the gradients' channel (train/transfers.h); job_ itself under Gloo
+  dist::Group job_;    // every rank, Gloo on host tensors: bookkeeping (sums, strings, barriers)
+  dist::Group acts_;   // the activations' channel (train/transfers.h); job_ itself under Gloo
+  dist::Group grads_;  // the gradients' channel; job_ itself under Gloo
+  Placement place_;
   std::vector<Stage> stages_;  // the model's modules in order (Layouts::modules)
   // Name -> shape of every parameter, kept for those released on this rank.
   std::map<std::string, std::vector<int64_t>> full_shapes_;

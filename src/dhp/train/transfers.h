@@ -42,5 +42,7 @@ struct Posting {
 
 // The posting of action `a` on `rank`, given the transfer's plan (`a.op` must be a transfer).
 Posting posting(const Action& a, const parallel::RedistributePlan& plan, int64_t rank, int64_t encoders);
+// Does `rank` post sends at action `a` (posting(a, ...) has a send)?
+bool posts_sends(const Action& a, const parallel::RedistributePlan& plan, int64_t rank);
 
 }  // namespace dhp::train

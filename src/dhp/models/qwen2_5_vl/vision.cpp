@@ -169,14 +169,18 @@ VisionTransformerImpl::VisionTransformerImpl(const VisionConfig& c) : cfg(c) {
   merger = register_module("merger", PatchMerger(cfg));
 }
 
-std::pair<torch::Tensor, torch::Tensor> VisionTransformerImpl::rotary(const VisionPlan& plan) const {
-  // Rotary over h and w, each with head_dim/4 frequencies of base theta over dim head_dim/2.
+std::pair<torch::Tensor, torch::Tensor> VisionTransformerImpl::rotary(const VisionPlan& plan,
+                                                                      const torch::Device& device, int64_t lo,
+                                                                      int64_t hi) const {
+  // Rotary over h and w, each with head_dim/4 frequencies of base theta over dim head_dim/2,
+  // computed on `device` for rows [lo, hi) of the window order only.
   const int64_t half = cfg.head_dim() / 2;
-  auto inv = dhp::nn::rope_inv_freq(half, cfg.rope_theta);  // (head_dim/4)
-  auto pos = plan.pos_ids.to(torch::kFloat32);                // (N, 2)
-  auto freqs = (pos.unsqueeze(-1) * inv).reshape({pos.size(0), -1});  // (N, head_dim/2)
-  freqs = reorder_units(freqs, plan.window_index, cfg.spatial_merge_size * cfg.spatial_merge_size);
-  auto emb = torch::cat({freqs, freqs}, -1);  // (N, head_dim)
+  auto inv = dhp::nn::rope_inv_freq(half, cfg.rope_theta).to(device);  // (head_dim/4)
+  auto pos = reorder_units(plan.pos_ids.to(device), plan.window_index, cfg.spatial_merge_size * cfg.spatial_merge_size)
+                 .narrow(0, lo, hi - lo)
+                 .to(torch::kFloat32);                                // (hi - lo, 2)
+  auto freqs = (pos.unsqueeze(-1) * inv).reshape({pos.size(0), -1});  // (hi - lo, head_dim/2)
+  auto emb = torch::cat({freqs, freqs}, -1);                          // (hi - lo, head_dim)
   return {emb.cos(), emb.sin()};
 }
 
@@ -218,9 +222,7 @@ torch::Tensor VisionTransformerImpl::forward(const torch::Tensor& patches, const
   int64_t lo = 0, hi = plan.num_patches;  // this rank's rows of the window order
   if (split) std::tie(lo, hi) = split->rows(plan);
   auto h = embed(patches, plan, lo, hi);  // (S, hidden) window order [sharded with a split]
-  auto [cos, sin] = rotary(plan);
-  cos = cos.to(h.device()).narrow(0, lo, hi - lo);
-  sin = sin.to(h.device()).narrow(0, lo, hi - lo);
+  const auto [cos, sin] = rotary(plan, h.device(), lo, hi);
   const auto windows = split ? segments_within(plan.cu_window_seqlens, lo, hi) : plan.cu_window_seqlens;
   const AttentionCore local = local_attention_core(attention_block);
   const AttentionCore whole_images = split ? split->full_attention() : local;

@@ -126,8 +126,9 @@ class VisionTransformerImpl : public torch::nn::Module {
   // With a split, this rank embeds and runs the blocks and the merger on its rows only
   // [sharded], and the merged rows of every rank are gathered at the end.
   torch::Tensor forward(const torch::Tensor& patches, const VisionPlan& plan);
-  // cos, sin (N, head_dim) in window order for a plan.
-  std::pair<torch::Tensor, torch::Tensor> rotary(const VisionPlan& plan) const;
+  // (cos, sin) of rows [lo, hi) of the window order, (hi - lo, head_dim) fp32 on `device`.
+  std::pair<torch::Tensor, torch::Tensor> rotary(const VisionPlan& plan, const torch::Device& device, int64_t lo,
+                                                 int64_t hi) const;
 
   PatchEmbed patch_embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
