@@ -1,5 +1,6 @@
 // varlen_attention against the naive masked softmax: values and gradients, fp32, 1e-5.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "dhp/core/error.h"
@@ -95,6 +96,60 @@ TEST(Attention, BadCuSeqlensIsAClearError) {
   EXPECT_THROW(dhp::nn::varlen_attention(q, q, q, {0, 5, 9}), dhp::Error);
   EXPECT_THROW(dhp::nn::varlen_attention(q, q, q, {0, 5, 5, 10}), dhp::Error);
   EXPECT_THROW(dhp::nn::varlen_attention(q, q, q, {1, 10}), dhp::Error);
+}
+
+// GQA: k and v with fewer heads than q; query head h attends with kv head h / (H / Hk), as
+// if k and v were expanded by repeat_interleave (the decoder's order), values and gradients.
+TEST(Attention, GroupedKvHeadsEqualExpandedOnes) {
+  torch::manual_seed(3);
+  const std::vector<int64_t> cu{0, 7, 40, 41, 90};
+  for (bool causal : {true, false}) {
+    auto q = torch::randn({90, 6, 8}).requires_grad_(true);
+    auto k = torch::randn({90, 2, 8}).requires_grad_(true);
+    auto v = torch::randn({90, 2, 8}).requires_grad_(true);
+    dhp::nn::VarlenAttentionOptions o;
+    o.causal = causal;
+    o.block_size = 16;
+    auto out = dhp::nn::varlen_attention(q, k, v, cu, o);
+    auto dy = torch::randn_like(out);
+    auto g = torch::autograd::grad({out}, {q, k, v}, {dy});
+    auto ref = dhp::nn::varlen_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), cu, o);
+    auto r = torch::autograd::grad({ref}, {q, k, v}, {dy});
+    EXPECT_TRUE(torch::allclose(out, ref, 1e-6, 1e-6));
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::allclose(g[i], r[i], 1e-5, 1e-6)) << "grad " << i;
+  }
+  auto q = torch::randn({10, 4, 8});
+  EXPECT_THROW(dhp::nn::varlen_attention(q, torch::randn({10, 3, 8}), torch::randn({10, 3, 8}), {0, 10}), c10::Error);
+}
+
+// The kernel choice: flash is an error where it cannot run (here: CPU tensors), auto runs
+// dhp's kernel, and the reasons name what is missing.
+TEST(Attention, FlashIsRefusedWhereItCannotRunAndAutoFallsBack) {
+  auto q = torch::randn({12, 2, 8});
+  dhp::nn::VarlenAttentionOptions flash;
+  flash.kernel = dhp::nn::AttentionKernel::kFlash;
+  try {
+    dhp::nn::varlen_attention(q, q, q, {0, 12}, flash);
+    ADD_FAILURE() << "flash on CPU tensors ran";
+  } catch (const dhp::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("training.attention=flash"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("training.attention=auto or dhp"), std::string::npos) << msg;
+  }
+  dhp::nn::VarlenAttentionOptions autok;  // kAuto by default
+  EXPECT_TRUE(torch::equal(dhp::nn::varlen_attention(q, q, q, {0, 12}, autok),
+                           dhp::nn::varlen_attention(q, q, q, {0, 12}, dhp::nn::VarlenAttentionOptions{false, 256,
+                                                                                   dhp::nn::AttentionKernel::kDhp})));
+  EXPECT_FALSE(dhp::nn::flash_unsupported(q, q).empty());
+  EXPECT_EQ(dhp::nn::parse_attention_kernel("flash", "training.attention"), dhp::nn::AttentionKernel::kFlash);
+  EXPECT_THROW(dhp::nn::parse_attention_kernel("fast", "training.attention"), dhp::Error);
+  if (torch::cuda::is_available()) {
+    const auto opts = torch::TensorOptions().device(torch::kCUDA);
+    auto g = torch::randn({4, 4, 8}, opts);
+    EXPECT_NE(dhp::nn::flash_unsupported(g, g).find("bf16 or fp16"), std::string::npos);
+    auto h = torch::randn({4, 4, 12}, opts.dtype(torch::kBFloat16));
+    EXPECT_NE(dhp::nn::flash_unsupported(h, h).find("head size 12"), std::string::npos);
+  }
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "dhp/core/device_memory.h"
 #include "dhp/core/error.h"
 #include "dhp/core/memory.h"
+#include "dhp/dist/comm.h"
 #include "dhp/data/shapes.h"
 #include "dhp/nn/attention.h"
 #include "dhp/parallel/zero.h"
@@ -200,6 +201,65 @@ TEST(Device, CudaTrainsLikeCpu) {
   EXPECT_TRUE(gpu.model().parameters().front().is_cuda());
   const auto ea = cpu.evaluate(8), eb = gpu.evaluate(8);
   EXPECT_NEAR(eb.loss, ea.loss, 1e-4 * std::abs(ea.loss));
+}
+
+// On a CUDA machine with NCCL: a one-rank NCCL group runs every collective on the GPU, and
+// its calls are timed on the stream (CUDA events), not at the enqueue.
+TEST(Device, NcclGroupOfOneRunsEveryCollective) {
+  if (torch::cuda::device_count() == 0 || !dhp::dist::nccl_available()) GTEST_SKIP() << "no CUDA device or no NCCL";
+  const torch::Device gpu(torch::kCUDA, 0);
+  dhp::dist::Group g(dhp::dist::make_hash_store(), "smoke", {0}, 0, std::chrono::seconds(60), dhp::dist::Backend::kNccl,
+                     gpu);
+  EXPECT_TRUE(g.connected());
+  EXPECT_EQ(g.backend(), dhp::dist::Backend::kNccl);
+  const auto before = dhp::dist::comm_stats();
+  auto x = torch::arange(8, torch::TensorOptions().dtype(torch::kFloat32).device(gpu));
+  auto y = x.clone();
+  g.all_reduce_sum_(y);
+  g.all_reduce_max_(y);
+  EXPECT_TRUE(torch::equal(y.cpu(), x.cpu()));
+  EXPECT_TRUE(torch::equal(g.all_gather(x.to(torch::kBFloat16), 0).cpu(), x.to(torch::kBFloat16).cpu()));
+  EXPECT_TRUE(torch::equal(g.all_to_all(x, {8}, {8}).cpu(), x.cpu()));
+  EXPECT_TRUE(torch::equal(g.reduce_scatter_sum(x).cpu(), x.cpu()));
+  g.barrier();
+  const auto after = dhp::dist::comm_stats();
+  EXPECT_EQ(after.calls - before.calls, 5);
+  EXPECT_GT(after.seconds, before.seconds);
+}
+
+// On a CUDA machine whose libtorch has the flash kernel: flash against dhp's kernel in bf16,
+// forward and backward, causal and full, GQA, ragged lengths (a one-token segment among them).
+// Both round to bf16; the difference is bounded by a few bf16 ulps of the outputs' scale.
+TEST(Device, FlashAttentionMatchesDhpsKernel) {
+  if (torch::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kBFloat16);
+  if (const auto why = dhp::nn::flash_unsupported(torch::empty({1, 4, 64}, opts), torch::empty({1, 2, 64}, opts));
+      !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  torch::manual_seed(7);
+  const std::vector<int64_t> cu{0, 37, 300, 301, 812};
+  for (bool causal : {true, false}) {
+    SCOPED_TRACE(causal ? "causal" : "full");
+    auto q = torch::randn({812, 8, 64}, opts).requires_grad_(true);
+    auto k = torch::randn({812, 2, 64}, opts).requires_grad_(true);
+    auto v = torch::randn({812, 2, 64}, opts).requires_grad_(true);
+    dhp::nn::VarlenAttentionOptions o;
+    o.causal = causal;
+    o.kernel = dhp::nn::AttentionKernel::kFlash;
+    auto out = dhp::nn::varlen_attention(q, k, v, cu, o);
+    auto dy = torch::randn_like(out);
+    auto g = torch::autograd::grad({out}, {q, k, v}, {dy});
+    o.kernel = dhp::nn::AttentionKernel::kDhp;
+    auto ref = dhp::nn::varlen_attention(q, k, v, cu, o);
+    auto r = torch::autograd::grad({ref}, {q, k, v}, {dy});
+    auto close = [](const torch::Tensor& a, const torch::Tensor& b) {
+      const double scale = b.to(torch::kFloat32).abs().max().item<double>();
+      return (a.to(torch::kFloat32) - b.to(torch::kFloat32)).abs().max().item<double>() / scale;
+    };
+    EXPECT_LT(close(out, ref), 2e-2);
+    for (int i = 0; i < 3; ++i) EXPECT_LT(close(g[i], r[i]), 3e-2) << "grad " << i;
+  }
 }
 
 }  // namespace

@@ -31,7 +31,7 @@ void check_parity(const std::vector<int64_t>& rows, const std::vector<int64_t>& 
     dhp::dist::Group g(store, "sp", dhp::testing::first_ranks(sp), r, kTestTimeout);
     auto part = [&](const torch::Tensor& t) { return t.detach().narrow(0, off[r], rows[r]).clone().requires_grad_(true); };
     auto qs = part(q), ks = part(k), vs = part(v);
-    auto out = dhp::parallel::ulysses_attention(qs, ks, vs, cu, causal, g, rows, 8);
+    auto out = dhp::parallel::ulysses_attention(qs, ks, vs, cu, causal, g, rows, dhp::nn::VarlenAttentionOptions{false, 8});
     EXPECT_LT((out - ref.narrow(0, off[r], rows[r])).abs().max().item<double>(), 1e-5);
     out.backward(dout.narrow(0, off[r], rows[r]));
     EXPECT_LT((qs.grad() - q.grad().narrow(0, off[r], rows[r])).abs().max().item<double>(), 1e-5);

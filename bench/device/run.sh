@@ -10,11 +10,12 @@
 #    alone, so that no compiler competes with the host time it measures.
 # 2. Configure and build dhp against that libtorch (the carried .debs unpacked under a
 #    prefix of their own, never over /), make going on past errors so that every one is seen.
-# 3. The device tests (Device.CudaTrainsLikeCpu: GPU against CPU training), the demo on the
-#    GPU (training.device=cuda), then every other test (the CPU paths) in the time left:
-#    what breaks on libtorch 2.x and on CUDA.
+# 3. The device tests (Device.CudaTrainsLikeCpu: GPU against CPU training; Device.Flash*:
+#    flash against dhp's attention; Device.NcclGroupOfOne*), the parity matrix on cuda:0 over
+#    Gloo (DHP_TEST_DEVICE=cuda), the demo on the GPU (training.device=cuda), then every other
+#    test (the CPU paths) in the time left: what breaks on libtorch 2.x and on CUDA.
 # Everything goes to $OUT (or ./runs/device): gpu.txt, reference_layers.{json,log},
-# build.log, ctest_device.log, demo_cuda.log, ctest.log. Then, here:
+# build.log, ctest_device.log, ctest_parity_cuda.log, demo_cuda.log, ctest.log. Then, here:
 #   ./build/dhp plan --model qwen2.5-vl-32b --cluster h100x8 --conventions reference \
 #     --vision-tokens 1024,4096,9216,16384,25600,65536 --batch-sizes 1,2,4,8 --host-times reference_layers.json
 set -u
@@ -28,7 +29,13 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: the test steps run from build-device/
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; 
   grep -m1 "model name" /proc/cpuinfo; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)';
-  g++ --version | head -1; cmake --version | head -1; cat /etc/os-release | head -2; } 2>&1 | tee "$out/gpu.txt"
+  g++ --version | head -1; cmake --version | head -1; cat /etc/os-release | head -2;
+  echo "nvcc: $(nvcc --version 2>/dev/null | tail -1 || echo missing)";
+  python3 -c 'import torch; print("libtorch cxx11 abi:", torch._C._GLIBCXX_USE_CXX11_ABI)'; } 2>&1 | tee "$out/gpu.txt"
+# Before configuring: find_package(Torch) needs nvcc for a CUDA libtorch, and dhp's Debian
+# libraries (yaml-cpp, GoogleTest) use the C++11 ABI, which the libtorch must share.
+command -v nvcc >/dev/null || echo "== WARNING: no nvcc on PATH: CMake's Torch package will not configure"
+grep -q "cxx11 abi: True" "$out/gpu.txt" || echo "== WARNING: this libtorch is not built with the C++11 ABI: linking with Debian's libraries will fail"
 
 PYTHONUNBUFFERED=1 timeout 200 python3 bench/device/reference_layers.py --out "$out/reference_layers.json" \
   2>&1 | tee "$out/reference_layers.log"
@@ -57,9 +64,13 @@ grep -m40 -E "error|Error|undefined reference" "$out/build.log"
 tail -5 "$out/build.log"
 
 if [ -d build-device/tests ]; then
-  # First the device tests (CUDA against CPU training, the device's resolution), then the demo.
-  (cd build-device && timeout 90 ctest -R 'Device|Config' --timeout 80 >"$out/ctest_device.log" 2>&1
+  # First the device tests (CUDA against CPU training, flash against dhp's attention in bf16,
+  # the one-rank NCCL group, placement), then the parity matrix on cuda:0 over Gloo (2 and 4
+  # ranks sharing the GPU), then the demo.
+  (cd build-device && timeout 120 ctest -R 'Device|Config|Attention' --timeout 110 >"$out/ctest_device.log" 2>&1
    echo "== device tests rc=$? at $((SECONDS - start)) s"; grep -E "tests passed|\*\*\*|Failed|Skipped" "$out/ctest_device.log" | tail -12)
+  (cd build-device && DHP_TEST_DEVICE=cuda timeout 150 ctest -j4 -R 'StrategyParity' --timeout 140 >"$out/ctest_parity_cuda.log" 2>&1
+   echo "== parity matrix on cuda:0 (Gloo) rc=$? at $((SECONDS - start)) s"; grep -E "tests passed|\*\*\*|Failed" "$out/ctest_parity_cuda.log" | tail -12)
 fi
 if [ -x build-device/dhp ]; then
   timeout 100 build-device/dhp train --set training.device=cuda --out /tmp/dhp-demo-cuda >"$out/demo_cuda.log" 2>&1

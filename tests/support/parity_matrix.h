@@ -4,6 +4,7 @@
 // the placements (unequal group sizes, disjoint and overlapping rank sets).
 #pragma once
 
+#include <cstdlib>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -90,6 +91,12 @@ inline dhp::Config parity_config(const std::vector<std::string>& sets) {
                                    "data.max_side=168", "training.steps=10", "training.warmup_steps=1",
                                    "data.eval_samples=0", "model.text.num_heads=8", "model.text.num_kv_heads=4",
                                    "model.text.mrope_section=[2,3,3]", "parallel.timeout_s=60"};
+  // DHP_TEST_DEVICE=cuda (bench/device/run.sh): every rank on cuda:0 over Gloo (NCCL refuses
+  // two ranks on one GPU), so that one GPU runs the whole matrix.
+  if (const char* d = std::getenv("DHP_TEST_DEVICE"); d && *d) {
+    base.push_back(std::string("training.device=") + d);
+    base.push_back("parallel.backend=gloo");
+  }
   base.insert(base.end(), sets.begin(), sets.end());
   return dhp::load_config("", base);
 }

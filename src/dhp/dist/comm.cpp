@@ -184,7 +184,7 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
   auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
   DHP_CHECK(it != ranks_.end(), "group '", name, "': rank ", global_rank, " is not a member");
   rank_ = static_cast<int64_t>(it - ranks_.begin());
-  if (ranks_.size() == 1) return;
+  if (ranks_.size() == 1 && backend != Backend::kNccl) return;  // NCCL: connected even alone (a smoke test)
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dhp/" + name, store.impl()->store);
   impl_ = std::make_shared<Impl>();
   impl_->timeout = timeout;

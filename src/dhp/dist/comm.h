@@ -66,7 +66,8 @@ class Group {
   // member has (a barrier). `name` must be unique per
   // group in the job and identical on every member; `ranks` are global ranks in group order.
   // `device`: where the group's tensors live; NCCL binds its communicator to that CUDA
-  // device (created here, eagerly, so that later point-to-point batches reuse it).
+  // device (created here, eagerly, so that later point-to-point batches reuse it). A Gloo
+  // group of one has no communicator; an NCCL group of one has one (the one-GPU smoke test).
   Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
         std::chrono::milliseconds timeout, Backend backend = Backend::kGloo,
         torch::Device device = torch::Device(torch::kCPU));

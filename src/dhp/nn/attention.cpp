@@ -6,7 +6,21 @@
 #include <limits>
 #include <map>
 
+#include "dhp/core/build_config.h"
 #include "dhp/core/error.h"
+#include "dhp/core/log.h"
+#include "dhp/core/torch_version.h"
+
+// libtorch's packed-sequence flash kernel: CUDA builds of libtorch 2.4 and later.
+#if DHP_WITH_CUDA && DHP_TORCH_AT_LEAST(2, 4)
+#define DHP_HAS_FLASH 1
+#include <ATen/ops/_flash_attention_forward.h>
+#else
+#define DHP_HAS_FLASH 0
+#endif
+
+#include <mutex>
+#include <set>
 
 namespace dhp::nn {
 namespace {
@@ -267,7 +281,74 @@ struct VarlenAttentionFn : public torch::autograd::Function<VarlenAttentionFn> {
   }
 };
 
+// The segment offsets as an int32 tensor on `device`, built once per distinct list: a
+// micro-batch's layers all attend over the same two or three lists (windows, whole images,
+// samples), so the copy happens once per micro-batch, not once per layer.
+Tensor device_offsets(const std::vector<int64_t>& cu, const torch::Device& device) {
+  struct Entry {
+    std::vector<int64_t> cu;
+    torch::Device device;
+    Tensor offsets;
+  };
+  thread_local std::vector<Entry> cache;  // the most recent first, a few entries
+  for (size_t i = 0; i < cache.size(); ++i) {
+    if (cache[i].device == device && cache[i].cu == cu) {
+      std::rotate(cache.begin(), cache.begin() + static_cast<std::ptrdiff_t>(i), cache.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      return cache.front().offsets;
+    }
+  }
+  const std::vector<int32_t> narrow(cu.begin(), cu.end());
+  auto t = torch::tensor(narrow, torch::kInt32).to(device, /*non_blocking=*/true);
+  cache.insert(cache.begin(), Entry{cu, device, t});
+  if (cache.size() > 4) cache.pop_back();
+  return t;
+}
+
+Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& cu, bool causal) {
+#if DHP_HAS_FLASH
+  int64_t longest = 0;  // from the host list: no device sync for the maximum length
+  for (size_t i = 0; i + 1 < cu.size(); ++i) longest = std::max(longest, cu[i + 1] - cu[i]);
+  const auto offsets = device_offsets(cu, q.device());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  return std::get<0>(at::_flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), offsets, offsets,
+                                                  longest, longest, /*dropout_p=*/0.0, causal,
+                                                  /*return_debug_mask=*/false, scale));
+#else
+  (void)q, (void)k, (void)v, (void)cu, (void)causal;
+  DHP_FAIL("flash attention: not in this build");
+#endif
+}
+
+// Logs, once per reason, why auto attention runs dhp's kernel on a GPU.
+void log_fallback(const std::string& why) {
+  static std::mutex mu;
+  static std::set<std::string> said;
+  std::lock_guard<std::mutex> lock(mu);
+  if (said.insert(why).second) log_info("attention: dhp's kernel instead of flash (training.attention=auto): " + why);
+}
+
 }  // namespace
+
+AttentionKernel parse_attention_kernel(const std::string& value, const std::string& key) {
+  if (value == "auto") return AttentionKernel::kAuto;
+  if (value == "dhp") return AttentionKernel::kDhp;
+  if (value == "flash") return AttentionKernel::kFlash;
+  DHP_FAIL(key, "='", value, "' is not auto, dhp or flash");
+}
+
+std::string flash_unsupported(const Tensor& q, const Tensor& k) {
+  if (!DHP_HAS_FLASH) return "this dhp is built against a libtorch without CUDA, or older than 2.4";
+  if (!q.is_cuda()) return "the tensors are on " + q.device().str() + ", not on a CUDA device";
+  if (q.scalar_type() != torch::kBFloat16 && q.scalar_type() != torch::kHalf) {
+    return std::string("the tensors are ") + c10::toString(q.scalar_type()) + " (flash takes bf16 or fp16)";
+  }
+  const int64_t d = q.size(-1);
+  if (d % 8 != 0 || d > 256) return "head size " + std::to_string(d) + " (flash takes multiples of 8 up to 256)";
+  if (k.size(1) == 0 || q.size(1) % k.size(1) != 0) {
+    return std::to_string(k.size(1)) + " kv heads do not divide " + std::to_string(q.size(1)) + " query heads";
+  }
+  return "";
+}
 
 void check_cu_seqlens(const std::vector<int64_t>& cu, int64_t total, const char* what) {
   DHP_CHECK(cu.size() >= 2 && cu.front() == 0 && cu.back() == total, what,
@@ -282,11 +363,25 @@ void check_cu_seqlens(const std::vector<int64_t>& cu, int64_t total, const char*
 Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                         const std::vector<int64_t>& cu_seqlens,
                         const VarlenAttentionOptions& options) {
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
-              "varlen_attention: q, k, v must all be (S, H, D), got ", q.sizes(), ", ", k.sizes(),
-              ", ", v.sizes());
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "varlen_attention: q must be (S, H, D) and k, v (S, Hk, D) with Hk dividing H, got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
   TORCH_CHECK(options.block_size > 0, "varlen_attention: block_size must be > 0");
   check_cu_seqlens(cu_seqlens, q.size(0), "varlen_attention");
+  if (options.kernel != AttentionKernel::kDhp) {
+    const auto why = flash_unsupported(q, k);
+    DHP_CHECK(options.kernel != AttentionKernel::kFlash || why.empty(),
+              "training.attention=flash, but libtorch's flash kernel cannot take these inputs: ", why,
+              "; use training.attention=auto or dhp");
+    if (why.empty()) return flash_attention(q, k, v, cu_seqlens, options.causal);
+    if (q.is_cuda()) log_fallback(why);
+  }
+  const int64_t groups = q.size(1) / k.size(1);
+  if (groups > 1) {  // GQA on dhp's kernel: query head h uses kv head h / groups
+    return VarlenAttentionFn::apply(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), cu_seqlens,
+                                    options.causal, options.block_size);
+  }
   return VarlenAttentionFn::apply(q, k, v, cu_seqlens, options.causal, options.block_size);
 }
 

@@ -69,10 +69,9 @@ torch::Tensor heads_to_seq(const torch::Tensor& x, const dist::Group& g, const s
 
 torch::Tensor ulysses_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const std::vector<int64_t>& cu, bool causal, const dist::Group& g,
-                                const std::vector<int64_t>& rows, int64_t block_size) {
-  dhp::nn::VarlenAttentionOptions o;
+                                const std::vector<int64_t>& rows, const nn::VarlenAttentionOptions& attention) {
+  auto o = attention;
   o.causal = causal;
-  o.block_size = block_size;
   auto out = dhp::nn::varlen_attention(seq_to_heads(q, g, rows), seq_to_heads(k, g, rows), seq_to_heads(v, g, rows),
                                        cu, o);  // (S_total, H/sp, D)
   return heads_to_seq(out, g, rows);

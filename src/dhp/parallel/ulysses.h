@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dhp/dist/comm.h"
+#include "dhp/nn/attention.h"
 
 namespace dhp::parallel {
 
@@ -26,6 +27,6 @@ torch::Tensor heads_to_seq(const torch::Tensor& x, const dist::Group& group, con
 // q, k, v: (S_local, H, D) [sharded] -> (S_local, H, D) [sharded].
 torch::Tensor ulysses_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const std::vector<int64_t>& cu_seqlens, bool causal, const dist::Group& group,
-                                const std::vector<int64_t>& shard_rows, int64_t block_size);
+                                const std::vector<int64_t>& shard_rows, const nn::VarlenAttentionOptions& attention);
 
 }  // namespace dhp::parallel

@@ -5,6 +5,7 @@
 #include "dhp/core/memory.h"
 #include "dhp/dist/layout.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
+#include "dhp/nn/attention.h"
 
 namespace dhp {
 
@@ -88,6 +89,7 @@ void Config::validate() const {
   }
   DHP_CHECK(training.threads >= 0, "training.threads must be >= 0");
   DHP_CHECK(training.attention_block > 0, "training.attention_block must be > 0");
+  nn::parse_attention_kernel(training.attention, "training.attention");
   DHP_CHECK(training.log_every > 0, "training.log_every must be > 0");
   parse_bytes(training.memory_limit, "training.memory_limit");
   {

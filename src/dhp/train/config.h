@@ -86,6 +86,7 @@ struct TrainingOptions {
   std::string device = "cpu";             // cpu, cuda or cuda:N (see train::place_rank)
   int64_t threads = 0;                    // intra-op threads (0 = all cores)
   int64_t attention_block = 256;          // attention block length
+  std::string attention = "auto";         // auto | dhp | flash (nn::AttentionKernel)
   std::string memory_limit = "0";         // per-process CPU tensor budget, e.g. 8GiB (0 = none)
   int64_t log_every = 10;                 // progress lines when stderr is not a terminal
   template <class V>
@@ -106,6 +107,9 @@ struct TrainingOptions {
     v.field("device", device, "where the model and its tensors live: cpu, cuda (each rank on cuda:LOCAL_RANK; with parallel.backend=gloo ranks may share GPUs) or cuda:N (every rank on GPU N: one rank, or Gloo)");
     v.field("threads", threads, "intra-op threads (0 = all cores)");
     v.field("attention_block", attention_block, "attention block length (flash-style tiling)");
+    v.field("attention", attention,
+            "attention kernel: auto (libtorch's flash kernel on CUDA in bf16/fp16 with libtorch 2.4+, dhp's "
+            "otherwise; a fallback on a GPU is logged once), dhp, or flash (an error where it cannot run)");
     v.field("memory_limit", memory_limit, "CPU tensor memory budget, e.g. 8GiB (0 = unlimited)");
     v.field("log_every", log_every, "steps between progress lines when not on a terminal");
   }

@@ -55,13 +55,20 @@ Placement resolve_placement(const Config& cfg, const Runtime& rt) {
 
 torch::Device resolve_device(const Config& cfg, const Runtime& rt) { return resolve_placement(cfg, rt).device; }
 
+nn::VarlenAttentionOptions attention_options(const Config& cfg) {
+  nn::VarlenAttentionOptions o;
+  o.block_size = cfg.training.attention_block;
+  o.kernel = nn::parse_attention_kernel(cfg.training.attention, "training.attention");
+  return o;
+}
+
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
   qwen::Qwen2_5_VL m(cfg.model.config);
   qwen::init_parameters(*m, static_cast<uint64_t>(cfg.training.seed), cfg.model.config.initializer_range);
   if (load_from && !cfg.model.from.empty()) qwen::load_hf_weights(cfg.model.from, *m);
   if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
   m->set_activation_checkpointing(cfg.training.activation_checkpointing);
-  m->set_attention_block(cfg.training.attention_block);
+  m->set_attention(attention_options(cfg));
   return m;
 }
 
@@ -119,7 +126,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   if (!device_.is_cpu()) model_->to(device_);       // before the optimizers take the parameters
   for (auto& kv : model_->named_parameters(true)) full_shapes_[kv.key()] = kv.value().sizes().vec();
   dtype_ = model_->parameters().front().scalar_type();
-  auto targets = qwen::module_targets(*model_, cfg_.training.attention_block);
+  auto targets = qwen::module_targets(*model_, attention_options(cfg_));
   TORCH_INTERNAL_ASSERT(targets.size() == layouts_.modules.size());
   for (size_t i = 0; i < targets.size(); ++i) {
     Stage s;

@@ -83,6 +83,9 @@ Placement place_rank(const std::string& device, const std::string& backend, int6
 Placement resolve_placement(const Config& cfg, const Runtime& rt);
 torch::Device resolve_device(const Config& cfg, const Runtime& rt);
 
+// training.attention_block and training.attention as the attention kernel's options.
+nn::VarlenAttentionOptions attention_options(const Config& cfg);
+
 // Builds the model for a config: presets, init from the seed, model.from's weights (unless
 // `load_from` is false), precision, checkpointing.
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from = true);

@@ -80,9 +80,9 @@ void Qwen2_5_VLImpl::set_activation_checkpointing(bool on) {
   model->activation_checkpointing = on;
 }
 
-void Qwen2_5_VLImpl::set_attention_block(int64_t block) {
-  visual->attention_block = block;
-  model->attention_block = block;
+void Qwen2_5_VLImpl::set_attention(const dhp::nn::VarlenAttentionOptions& options) {
+  visual->attention = options;
+  model->attention = options;
 }
 
 torch::Tensor Qwen2_5_VLImpl::lm_head_weight() const {
@@ -107,7 +107,7 @@ std::pair<torch::Tensor, torch::Tensor> Qwen2_5_VLImpl::hidden_at_targets(const 
                                                                            const torch::Tensor& vision_embeds) {
   auto [cos, sin] = mrope_cos_sin(batch.position_ids, cfg.text);
   const auto dtype = model->embed_tokens->weight.scalar_type();
-  TextAttnInputs in{cos.to(dtype), sin.to(dtype), batch.cu_seqlens, local_attention_core(model->attention_block)};
+  TextAttnInputs in{cos.to(dtype), sin.to(dtype), batch.cu_seqlens, local_attention_core(model->attention)};
   auto h = model->forward(embed(batch, vision_embeds), in);  // (L, C)
   auto sel = batch.targets.ne(-100).nonzero().squeeze(-1);
   return {h.index_select(0, sel), batch.targets.index_select(0, sel)};

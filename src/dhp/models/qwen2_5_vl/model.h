@@ -62,8 +62,9 @@ class Qwen2_5_VLImpl : public torch::nn::Module {
   torch::Tensor lm_head_weight() const;
 
   void set_activation_checkpointing(bool on);
-  // The local attention kernel's block size in both towers (training.attention_block).
-  void set_attention_block(int64_t block);
+  // The attention kernel's block size and choice in both towers (training.attention_block,
+  // training.attention).
+  void set_attention(const dhp::nn::VarlenAttentionOptions& options);
 
   // Submodules by Hugging Face's names; parallel strategies replace them (and the linears
   // inside) from outside (models/qwen2_5_vl/parallelize.h), or set the towers' stage

@@ -30,8 +30,8 @@ std::vector<optim::NamedParam> parameters_of(Qwen2_5_VLImpl& model, bool (*owns)
 // parallelizations above; those a module lacks throw naming the module.
 class Target : public parallel::ModuleTarget {
  public:
-  Target(Qwen2_5_VLImpl& model, std::string name, int64_t attention_block)
-      : model_(model), name_(std::move(name)), block_(attention_block) {}
+  Target(Qwen2_5_VLImpl& model, std::string name, const nn::VarlenAttentionOptions& attention)
+      : model_(model), name_(std::move(name)), attention_(attention) {}
   const std::string& name() const override { return name_; }
   bool owns(const std::string& param) const override { return vision() ? is_vision_param(param) : is_text_param(param); }
   std::vector<optim::NamedParam> parameters() override {
@@ -42,7 +42,7 @@ class Target : public parallel::ModuleTarget {
   }
   void sequence_parallel(const dist::Group& sp) override {
     DHP_CHECK(vision(), "the ", name_, " module has no sequence-parallel strategy (only vision has)");
-    parallelize_vision_sp(model_, sp, block_);
+    parallelize_vision_sp(model_, sp, attention_);
   }
   std::unique_ptr<parallel::Zero3> fully_shard(const dist::Group& group) override {
     return parallelize_zero3(model_, vision() ? "visual" : "text", group);
@@ -52,7 +52,7 @@ class Target : public parallel::ModuleTarget {
   bool vision() const { return name_ == "vision"; }
   Qwen2_5_VLImpl& model_;
   std::string name_;
-  int64_t block_;
+  nn::VarlenAttentionOptions attention_;
 };
 
 }  // namespace
@@ -79,9 +79,10 @@ std::vector<dist::ModuleDims> module_dims(const ModelConfig& cfg) {
   return {vision, text};
 }
 
-std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLImpl& model, int64_t attention_block) {
+std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLImpl& model,
+                                                                   const nn::VarlenAttentionOptions& attention) {
   std::vector<std::unique_ptr<parallel::ModuleTarget>> out;
-  for (const auto& name : module_names()) out.push_back(std::make_unique<Target>(model, name, attention_block));
+  for (const auto& name : module_names()) out.push_back(std::make_unique<Target>(model, name, attention));
   return out;
 }
 
@@ -184,8 +185,8 @@ namespace {
 // rows are all-gathered (ragged) at the end.
 class UlyssesSplit : public VisionSequenceSplit {
  public:
-  UlyssesSplit(dist::Group group, int64_t merge_unit, int64_t block_size)
-      : group_(std::move(group)), unit_(merge_unit), block_(block_size) {}
+  UlyssesSplit(dist::Group group, int64_t merge_unit, const nn::VarlenAttentionOptions& attention)
+      : group_(std::move(group)), unit_(merge_unit), attention_(attention) {}
 
   std::pair<int64_t, int64_t> rows(const VisionPlan& plan) override {
     rows_ = parallel::window_shards(plan.cu_window_seqlens, group_.size());
@@ -195,9 +196,9 @@ class UlyssesSplit : public VisionSequenceSplit {
   }
 
   AttentionCore full_attention() override {
-    return [g = group_, rows = rows_, block_size = block_](const torch::Tensor& q, const torch::Tensor& k,
+    return [g = group_, rows = rows_, attention = attention_](const torch::Tensor& q, const torch::Tensor& k,
                                                  const torch::Tensor& v, const std::vector<int64_t>& cu, bool causal) {
-      return parallel::ulysses_attention(q, k, v, cu, causal, g, rows, block_size);
+      return parallel::ulysses_attention(q, k, v, cu, causal, g, rows, attention);
     };
   }
 
@@ -209,17 +210,18 @@ class UlyssesSplit : public VisionSequenceSplit {
 
  private:
   dist::Group group_;
-  int64_t unit_, block_;
+  int64_t unit_;
+  nn::VarlenAttentionOptions attention_;
   std::vector<int64_t> rows_;  // every rank's rows of the current forward
 };
 
 }  // namespace
 
-void parallelize_vision_sp(Qwen2_5_VLImpl& model, const dist::Group& sp, int64_t block_size) {
+void parallelize_vision_sp(Qwen2_5_VLImpl& model, const dist::Group& sp, const nn::VarlenAttentionOptions& attention) {
   if (sp.size() == 1) return;
   const auto& vc = model.cfg.vision;
   DHP_CHECK(vc.num_heads % sp.size() == 0, "vision sp=", sp.size(), " does not divide vision num_heads=", vc.num_heads);
-  model.visual->split = std::make_shared<UlyssesSplit>(sp, vc.spatial_merge_size * vc.spatial_merge_size, block_size);
+  model.visual->split = std::make_shared<UlyssesSplit>(sp, vc.spatial_merge_size * vc.spatial_merge_size, attention);
 }
 
 std::unique_ptr<parallel::Zero3> parallelize_zero3(Qwen2_5_VLImpl& model, const std::string& scope,

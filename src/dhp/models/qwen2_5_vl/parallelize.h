@@ -26,7 +26,8 @@ std::vector<dist::ModuleDims> module_dims(const ModelConfig& cfg);
 // The modules of `model` as strategy targets, in module_names() order. `attention_block`:
 // the attention kernel's block (sequence parallelism's Ulysses attention). `model` must
 // outlive them.
-std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLImpl& model, int64_t attention_block);
+std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLImpl& model,
+                                                                   const nn::VarlenAttentionOptions& attention);
 
 // How the decoder takes the encoders' output (encoder: an index of module_names(), every
 // module but the last). The rows encoder `encoder` produces for a sample of token ids: one
@@ -65,7 +66,7 @@ parallel::TpShardMap parallelize_vision_tp(Qwen2_5_VLImpl& model, const dist::Gr
 // over the SP group before the optimizer step. With the tower's activation checkpointing
 // on, each block is recomputed in backward (Ulysses all-to-alls included, in the same
 // order on every SP rank). Call on every SP rank with identically initialised models.
-void parallelize_vision_sp(Qwen2_5_VLImpl& model, const dist::Group& sp, int64_t block_size = 256);
+void parallelize_vision_sp(Qwen2_5_VLImpl& model, const dist::Group& sp, const nn::VarlenAttentionOptions& attention = {});
 
 // ZeRO-3 for one module over `group`: scope "visual" (stages patch_embed, blocks.<i>,
 // merger) or "text" (embed_tokens, layers.<i>, norm and the lm_head, which is

@@ -37,11 +37,8 @@ torch::Tensor TextAttentionImpl::forward(const torch::Tensor& x, const TextAttnI
   auto v = v_proj(x).view({L, -1, head_dim});
   q = dhp::nn::apply_rotary(q, in.cos, in.sin);
   k = dhp::nn::apply_rotary(k, in.cos, in.sin);
-  const int64_t groups = q.size(1) / k.size(1);
-  if (groups > 1) {  // GQA: query head h uses kv head h / groups
-    k = k.repeat_interleave(groups, 1);
-    v = v.repeat_interleave(groups, 1);
-  }
+  // GQA: k and v keep their kv heads (query head h uses kv head h / (H / KV)); the kernel
+  // expands them only where it needs to (nn::varlen_attention).
   auto o = in.core(q, k, v, in.cu, /*causal=*/true);
   return o_proj(o.reshape({L, -1}));
 }

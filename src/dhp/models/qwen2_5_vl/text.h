@@ -59,7 +59,7 @@ class TextModelImpl : public torch::nn::Module {
   dhp::nn::RMSNorm norm{nullptr};
   TextConfig cfg;
   bool activation_checkpointing = false;
-  int64_t attention_block = 256;  // the local attention kernel's block (training.attention_block)
+  dhp::nn::VarlenAttentionOptions attention;  // block and kernel (training.attention_block, training.attention)
   // Runs each stage when set (ZeRO-3); see VisionTransformer.
   dhp::nn::StageRunner runner;
 };

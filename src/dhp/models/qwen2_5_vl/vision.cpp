@@ -97,12 +97,11 @@ torch::Tensor reorder_units(const torch::Tensor& x, const std::vector<int64_t>& 
   return x.reshape(grouped).index_select(0, idx).reshape(shape);
 }
 
-AttentionCore local_attention_core(int64_t block_size) {
-  return [block_size](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                      const std::vector<int64_t>& cu, bool causal) {
-    dhp::nn::VarlenAttentionOptions o;
+AttentionCore local_attention_core(const dhp::nn::VarlenAttentionOptions& options) {
+  return [options](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                   const std::vector<int64_t>& cu, bool causal) {
+    auto o = options;
     o.causal = causal;
-    o.block_size = block_size;
     return dhp::nn::varlen_attention(q, k, v, cu, o);
   };
 }
@@ -224,7 +223,7 @@ torch::Tensor VisionTransformerImpl::forward(const torch::Tensor& patches, const
   auto h = embed(patches, plan, lo, hi);  // (S, hidden) window order [sharded with a split]
   const auto [cos, sin] = rotary(plan, h.device(), lo, hi);
   const auto windows = split ? segments_within(plan.cu_window_seqlens, lo, hi) : plan.cu_window_seqlens;
-  const AttentionCore local = local_attention_core(attention_block);
+  const AttentionCore local = local_attention_core(attention);
   const AttentionCore whole_images = split ? split->full_attention() : local;
   const std::set<int64_t> full(cfg.fullatt_block_indexes.begin(), cfg.fullatt_block_indexes.end());
   for (int64_t i = 0; i < cfg.depth; ++i) {

@@ -19,6 +19,7 @@
 
 #include "dhp/models/qwen2_5_vl/config.h"
 #include "dhp/models/qwen2_5_vl/windows.h"
+#include "dhp/nn/attention.h"
 #include "dhp/nn/layers.h"
 
 namespace dhp::qwen {
@@ -49,7 +50,7 @@ using AttentionCore = std::function<torch::Tensor(const torch::Tensor&, const to
                                                   const torch::Tensor&,
                                                   const std::vector<int64_t>& cu, bool causal)>;
 // dhp's varlen attention kernel on this process's rows (nn/attention.h).
-AttentionCore local_attention_core(int64_t block_size);
+AttentionCore local_attention_core(const dhp::nn::VarlenAttentionOptions& options);
 
 // What one attention call needs besides the activations: the rotary angles, the segments
 // and the attention core (chosen per call by the tower: local, or sequence-parallel).
@@ -135,7 +136,7 @@ class VisionTransformerImpl : public torch::nn::Module {
   PatchMerger merger{nullptr};
   VisionConfig cfg;
   bool activation_checkpointing = false;
-  int64_t attention_block = 256;  // the local attention kernel's block (training.attention_block)
+  dhp::nn::VarlenAttentionOptions attention;  // block and kernel (training.attention_block, training.attention)
   // Runs each stage ("visual.patch_embed", "visual.blocks.<i>", "visual.merger") when set
   // (ZeRO-3 gathers the stage's parameters around it); null: plain calls, blocks under
   // activation checkpointing when that is on.
