@@ -6,6 +6,7 @@
 #
 #   sudo bash scripts/check_cuda_build.sh [root|build|test|all] [NINJA TARGET...]   (default: all)
 #
+# DHP_CTEST_ARGS adds ctest arguments to `test`, e.g. DHP_CTEST_ARGS="-R Tokenizer".
 # Targets (after `build`) restrict the build to them, e.g. one object file:
 #   bash scripts/check_cuda_build.sh build CMakeFiles/dhp_dist.dir/src/dhp/dist/comm.cpp.o
 #
@@ -108,7 +109,7 @@ run_tests() {
   trap umount_all EXIT
   log "ctest on the CPU against libtorch 2.6 (log: $croot/test.log)"
   local rc=0
-  in_root bash -c "cd /build && ctest -j${DHP_JOBS:-2} --output-on-failure --timeout 900" >"$croot/test.log" 2>&1 || rc=$?
+  in_root bash -c "cd /build && ctest -j${DHP_JOBS:-2} --output-on-failure --timeout 900 ${DHP_CTEST_ARGS:-}" >"$croot/test.log" 2>&1 || rc=$?
   grep -E 'tests passed|tests failed|Total Test time' "$croot/test.log" || true
   grep -E '^\s+[0-9]+ - ' "$croot/test.log" || true
   return $rc

@@ -127,6 +127,9 @@ TEST(Device, MemoryFiguresFollowTheDevice) {
   EXPECT_NE(msg.find("without CUDA"), std::string::npos) << msg;
   msg = error_of([&] { dhp::set_device_memory_limit(gpu, int64_t{1} << 30); });
   EXPECT_NE(msg.find("without CUDA"), std::string::npos) << msg;
+  dhp::use_device(cpu);  // nothing to do on the CPU
+  msg = error_of([&] { dhp::use_device(gpu); });
+  EXPECT_NE(msg.find("without CUDA"), std::string::npos) << msg;
 }
 
 TEST(Device, BatchMovesItsTensorsAndKeepsItsLists) {

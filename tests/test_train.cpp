@@ -10,7 +10,9 @@
 
 #include "dhp/optim/adamw.h"
 #include "support/grad_norm.h"
+#include "dhp/train/parallel_model.h"
 #include "dhp/train/trainer.h"
+#include "errors.h"
 #include "files.h"
 
 namespace {
@@ -135,6 +137,66 @@ TEST(Optim, AdamWStepByHandWithDecayOnlyOnMatrices) {
   EXPECT_NEAR(w[0][1].item<float>(), 1 * (1 - 0.05) + 0.1, 1e-6);
   EXPECT_NEAR(b[0].item<float>(), 1 - 0.1, 1e-6);
   EXPECT_NEAR(b[1].item<float>(), 1 - 0.1, 1e-6);
+}
+
+// Per-group settings: the longest prefix wins; a group's lr scales the step (and the decay,
+// which is lr x wd), its weight decay replaces the default, and parameters without decay
+// (norms, biases) keep none.
+TEST(Optim, GroupsScaleTheRateAndSetTheDecayByLongestPrefix) {
+  dhp::optim::AdamWOptions o;
+  o.weight_decay = 0.5;
+  o.beta1 = 0.9;
+  o.beta2 = 0.99;
+  o.eps = 0;
+  o.groups = {{"visual.", 2.0, -1}, {"visual.merger.", 0.5, 0.0}, {"model.", 0.0, 0.0}};
+  using dhp::optim::settings_for;
+  EXPECT_EQ(settings_for({"visual.blocks.0.w", {}, true}, o).lr_scale, 2.0);
+  EXPECT_EQ(settings_for({"visual.blocks.0.w", {}, true}, o).weight_decay, 0.5);  // the default decay
+  EXPECT_EQ(settings_for({"visual.merger.w", {}, true}, o).lr_scale, 0.5);       // longer prefix wins
+  EXPECT_EQ(settings_for({"visual.merger.w", {}, true}, o).weight_decay, 0.0);
+  EXPECT_EQ(settings_for({"visual.blocks.0.b", {}, false}, o).weight_decay, 0.0);  // no decay on biases
+  EXPECT_EQ(settings_for({"lm_head.weight", {}, true}, o).lr_scale, 1.0);          // no group: defaults
+  auto v = torch::ones({1, 2}).requires_grad_(true), m = torch::ones({2}).requires_grad_(true);
+  auto t = torch::ones({2}).requires_grad_(true);
+  dhp::optim::AdamW opt({{"visual.blocks.0.w", v, true}, {"visual.merger.w", m, true}, {"model.w", t, true}}, o);
+  v.mutable_grad() = torch::tensor({{2.f, -4.f}});
+  m.mutable_grad() = torch::tensor({3.f, -1.f});
+  t.mutable_grad() = torch::tensor({1.f, 1.f});
+  opt.step(0.1);
+  // First step: update = lr x scale x sign(g); decay by lr x scale x wd.
+  EXPECT_NEAR(v[0][0].item<float>(), 1 * (1 - 0.2 * 0.5) - 0.2, 1e-6);
+  EXPECT_NEAR(v[0][1].item<float>(), 1 * (1 - 0.2 * 0.5) + 0.2, 1e-6);
+  EXPECT_NEAR(m[0].item<float>(), 1 - 0.05, 1e-6);
+  EXPECT_NEAR(m[1].item<float>(), 1 + 0.05, 1e-6);
+  EXPECT_TRUE(torch::equal(t, torch::ones({2})));  // rate 0: unchanged, bit for bit
+}
+
+// training.lr_* / weight_decay_* become parameter groups: a rate as a scale of training.lr,
+// unset parts left out; bad values are refused naming the key.
+TEST(Optim, PerModuleSettingsBecomeGroups) {
+  auto o = dhp::train::optimizer_options(
+      dhp::load_config("", {"training.lr=0.01", "training.lr_vision=0.001", "training.weight_decay_merger=0"}));
+  ASSERT_EQ(o.groups.size(), 4u);  // every part, once any is set
+  EXPECT_EQ(o.groups[0].prefix, "visual.");
+  EXPECT_NEAR(o.groups[0].lr_scale, 0.1, 1e-12);
+  EXPECT_EQ(o.groups[0].weight_decay, -1);  // the default decay
+  EXPECT_EQ(o.groups[1].prefix, "visual.merger.");
+  EXPECT_EQ(o.groups[1].lr_scale, 1.0);  // the merger keeps training.lr, not the tower's
+  EXPECT_EQ(o.groups[1].weight_decay, 0.0);
+  // The merger's own group is what keeps it off the tower's rate.
+  EXPECT_EQ(dhp::optim::settings_for({"visual.merger.mlp.0.weight", {}, true}, o).lr_scale, 1.0);
+  EXPECT_NEAR(dhp::optim::settings_for({"visual.blocks.0.attn.qkv.weight", {}, true}, o).lr_scale, 0.1, 1e-12);
+  EXPECT_TRUE(dhp::train::optimizer_options(dhp::load_config("", {})).groups.empty());
+  const auto text = dhp::train::optimizer_options(dhp::load_config("", {"training.lr_text=0"})).groups;
+  ASSERT_EQ(text.size(), 4u);
+  EXPECT_EQ(text[2].prefix, "model.");
+  EXPECT_EQ(text[2].lr_scale, 0.0);
+  EXPECT_EQ(text[3].prefix, "lm_head");
+  EXPECT_EQ(text[3].lr_scale, 0.0);
+  EXPECT_EQ(text[0].lr_scale, 1.0);
+  auto msg = dhp::testing::error_of([] { dhp::load_config("", {"training.lr_merger=-0.5"}); });
+  EXPECT_NE(msg.find("training.lr_merger=-0.5 must be >= 0, or -1 for the default (training.lr)"), std::string::npos)
+      << msg;
 }
 
 TEST(Optim, ClipByGlobalNorm) {

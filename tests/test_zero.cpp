@@ -44,9 +44,10 @@ void set_grads(std::vector<dhp::optim::NamedParam>& ps, int step, int64_t rank, 
 
 // Each rank holds its own gradients; the sharded optimizer must step like AdamW on their
 // sum, with the clipping-norm pieces adding up to the norm of the sum.
-void check(int64_t ws) {
+void check(int64_t ws, std::vector<dhp::optim::ParamGroup> groups = {}) {
   dhp::optim::AdamWOptions o;
   o.weight_decay = 0.1;
+  o.groups = std::move(groups);
   auto ref = make_params();
   dhp::optim::AdamW adam(ref, o);
   std::vector<double> ref_sq;
@@ -100,5 +101,8 @@ TEST(Zero1, ReduceScatterSumsEachChunkInFp32) {
 
 TEST(Zero1, TwoRanksWithPaddingEqualAdamW) { check(2); }
 TEST(Zero1, ThreeRanksEqualAdamW) { check(3); }
+// Per-group rates and decay (per-module learning rates) as per-element state: "w" at half
+// the rate with its own decay, "e" frozen by a zero rate, "b" on the defaults.
+TEST(Zero1, PerGroupRatesAndDecayEqualAdamW) { check(2, {{"w", 0.5, 0.3}, {"e", 0.0, 0.0}}); }
 
 }  // namespace

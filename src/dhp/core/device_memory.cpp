@@ -6,6 +6,7 @@
 
 #if DHP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -63,6 +64,14 @@ void set_device_memory_limit(const c10::Device& device, int64_t bytes) {
   c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device.index());
 #else
   (void)bytes;
+#endif
+}
+
+void use_device(const c10::Device& device) {
+  if (device.is_cpu()) return;
+  check_cuda_build(device);
+#if DHP_WITH_CUDA
+  c10::cuda::set_device(device.index());
 #endif
 }
 

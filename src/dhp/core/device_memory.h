@@ -18,5 +18,9 @@ void reset_device_peak(const c10::Device& device);
 // Caps what tensors may hold on `device` (0 = no cap). Throws dhp::Error on a CUDA device in
 // a build without CUDA, or when the cap exceeds the device's memory.
 void set_device_memory_limit(const c10::Device& device, int64_t bytes);
+// Makes a CUDA `device` this process's current device (what libtorch and NCCL use where no
+// tensor names one: cuBLAS handles, streams); nothing for the CPU. Throws like the above in
+// a build without CUDA.
+void use_device(const c10::Device& device);
 
 }  // namespace dhp

@@ -319,6 +319,49 @@ Tensor flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const 
 #endif
 }
 
+// Whether the flash kernel has run in this process. A libtorch built without its flash kernels,
+// or a GPU they do not support, fails only when called: the first call under auto is a probe,
+// and after a failure (other than running out of memory) auto uses dhp's kernel for good.
+struct FlashProbe {
+  std::mutex mu;
+  bool worked = false;
+  std::string failed;  // why it cannot run here ("" until a first call failed)
+};
+FlashProbe& flash_probe() {
+  static FlashProbe p;
+  return p;
+}
+
+// The flash kernel's output, or undefined when its first call under auto failed (recorded).
+Tensor probed_flash_attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::vector<int64_t>& cu,
+                              bool causal, AttentionKernel kernel) {
+  auto& p = flash_probe();
+  bool worked = false;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    worked = p.worked;
+  }
+  if (worked || kernel == AttentionKernel::kFlash) return flash_attention(q, k, v, cu, causal);
+  try {
+    auto out = flash_attention(q, k, v, cu, causal);
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.worked = true;
+    return out;
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.failed = std::string("libtorch's flash kernel failed on its first call: ") + e.what_without_backtrace();
+    return Tensor();
+  }
+}
+
+std::string flash_failed() {
+  auto& p = flash_probe();
+  std::lock_guard<std::mutex> lock(p.mu);
+  return p.failed;
+}
+
 // Logs, once per reason, why auto attention runs dhp's kernel on a GPU.
 void log_fallback(const std::string& why) {
   static std::mutex mu;
@@ -370,11 +413,16 @@ Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   TORCH_CHECK(options.block_size > 0, "varlen_attention: block_size must be > 0");
   check_cu_seqlens(cu_seqlens, q.size(0), "varlen_attention");
   if (options.kernel != AttentionKernel::kDhp) {
-    const auto why = flash_unsupported(q, k);
+    auto why = flash_unsupported(q, k);
+    if (why.empty()) why = flash_failed();
     DHP_CHECK(options.kernel != AttentionKernel::kFlash || why.empty(),
               "training.attention=flash, but libtorch's flash kernel cannot take these inputs: ", why,
               "; use training.attention=auto or dhp");
-    if (why.empty()) return flash_attention(q, k, v, cu_seqlens, options.causal);
+    if (why.empty()) {
+      auto out = probed_flash_attention(q, k, v, cu_seqlens, options.causal, options.kernel);
+      if (out.defined()) return out;
+      why = flash_failed();
+    }
     if (q.is_cuda()) log_fallback(why);
   }
   const int64_t groups = q.size(1) / k.size(1);

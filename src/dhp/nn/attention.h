@@ -26,7 +26,9 @@ namespace dhp::nn {
 
 // Which kernel computes the attention (training.attention). kDhp: dhp's own (any device and
 // dtype). kFlash: libtorch's flash kernel; inputs it cannot take are an error. kAuto: flash
-// where flash_unsupported() is empty, else dhp's (on CUDA the reason is logged once).
+// where flash_unsupported() is empty, else dhp's (on CUDA the reason is logged once); a
+// first flash call that fails (a libtorch without the kernels, an unsupported GPU) makes
+// auto use dhp's kernel from then on.
 enum class AttentionKernel { kAuto, kDhp, kFlash };
 // "auto", "dhp" or "flash"; throws dhp::Error naming `key` otherwise.
 AttentionKernel parse_attention_kernel(const std::string& value, const std::string& key);

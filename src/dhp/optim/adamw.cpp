@@ -6,10 +6,23 @@
 
 namespace dhp::optim {
 
+ParamSettings settings_for(const NamedParam& p, const AdamWOptions& o) {
+  const ParamGroup* best = nullptr;
+  for (const auto& g : o.groups) {
+    if (p.name.rfind(g.prefix, 0) == 0 && (!best || g.prefix.size() > best->prefix.size())) best = &g;
+  }
+  ParamSettings s;
+  s.lr_scale = best ? best->lr_scale : 1.0;
+  const double wd = best && best->weight_decay >= 0 ? best->weight_decay : o.weight_decay;
+  s.weight_decay = p.decay ? wd : 0.0;
+  return s;
+}
+
 AdamW::AdamW(std::vector<NamedParam> params, AdamWOptions options)
-    : params_(std::move(params)), options_(options) {
+    : params_(std::move(params)), options_(std::move(options)) {
   torch::NoGradGuard no_grad;
   for (const auto& p : params_) {
+    settings_.push_back(settings_for(p, options_));
     State s;
     s.master = p.param.scalar_type() == torch::kFloat32 ? p.param : p.param.to(torch::kFloat32);
     s.exp_avg = torch::zeros_like(s.master);
@@ -28,11 +41,12 @@ void AdamW::step(double lr) {
     if (!p.grad().defined()) continue;
     auto& s = state_[i];
     auto g = p.grad().to(torch::kFloat32);
-    if (params_[i].decay && options_.weight_decay > 0) s.master.mul_(1.0 - lr * options_.weight_decay);
+    const double plr = lr * settings_[i].lr_scale, wd = settings_[i].weight_decay;
+    if (wd > 0) s.master.mul_(1.0 - plr * wd);
     s.exp_avg.mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
     s.exp_avg_sq.mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
     auto denom = (s.exp_avg_sq / bc2).sqrt_().add_(options_.eps);
-    s.master.addcdiv_(s.exp_avg, denom, -lr / bc1);
+    s.master.addcdiv_(s.exp_avg, denom, -plr / bc1);
     if (!s.master.is_same(p)) p.copy_(s.master);
   }
 }

@@ -10,11 +10,20 @@
 
 namespace dhp::optim {
 
+// Settings of the parameters whose names start with `prefix` (per-module learning rates and
+// weight decay: training.lr_vision, ...). The longest matching prefix wins.
+struct ParamGroup {
+  std::string prefix;
+  double lr_scale = 1.0;       // the group's learning rate over the default: the same schedule, scaled
+  double weight_decay = -1.0;  // the group's decoupled weight decay (< 0: AdamWOptions::weight_decay)
+};
+
 struct AdamWOptions {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
   double weight_decay = 0.0;
+  std::vector<ParamGroup> groups;  // empty: every parameter takes the defaults
 };
 
 struct NamedParam {
@@ -23,12 +32,21 @@ struct NamedParam {
   bool decay = true;    // decoupled weight decay applies
 };
 
+// What one parameter's update uses: its group's lr scale and weight decay (0 where the
+// parameter takes no decay: norms, biases).
+struct ParamSettings {
+  double lr_scale = 1.0;
+  double weight_decay = 0.0;
+};
+ParamSettings settings_for(const NamedParam& p, const AdamWOptions& o);
+
 // Keeps an fp32 master copy of every non-fp32 parameter and fp32 moments; step() updates
 // the masters from the (any dtype) gradients and writes them back into the parameters.
 class AdamW {
  public:
   AdamW(std::vector<NamedParam> params, AdamWOptions options);
-  // One update with learning rate `lr`. Parameters without a gradient are skipped.
+  // One update with learning rate `lr` (times each parameter's group scale). Parameters
+  // without a gradient are skipped.
   void step(double lr);
   void zero_grad();
   int64_t step_count() const { return step_; }
@@ -44,6 +62,7 @@ class AdamW {
 
  private:
   std::vector<NamedParam> params_;
+  std::vector<ParamSettings> settings_;  // per parameter
   std::vector<State> state_;
   AdamWOptions options_;
   int64_t step_ = 0;

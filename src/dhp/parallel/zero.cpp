@@ -18,10 +18,15 @@ Zero1AdamW::Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOption
       params_.empty() ? torch::Device(torch::kCPU) : params_.front().param.device());
   DHP_CHECK(in_norm.empty() || in_norm.size() == params_.size(), "Zero1AdamW: ", in_norm.size(),
             " in_norm flags for ", params_.size(), " parameters");
-  std::vector<torch::Tensor> flat, decay;
+  std::vector<torch::Tensor> flat, decay, lr_scale, weight_decay;
+  bool uniform = true;  // every parameter on the default rate and decay: the scalar update
   for (const auto& p : params_) {
+    const auto st = optim::settings_for(p, options_);
+    uniform = uniform && st.lr_scale == 1.0 && st.weight_decay == (p.decay ? options_.weight_decay : 0.0);
     flat.push_back(p.param.detach().reshape({-1}).to(torch::kFloat32));
     decay.push_back(torch::full({p.param.numel()}, p.decay ? 1.f : 0.f, on));
+    lr_scale.push_back(torch::full({p.param.numel()}, st.lr_scale, on));
+    weight_decay.push_back(torch::full({p.param.numel()}, st.weight_decay, on));
   }
   if (!params_.empty()) dtype_ = params_.front().param.scalar_type();
   for (const auto& p : params_) {
@@ -38,6 +43,10 @@ Zero1AdamW::Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOption
   };
   master_ = pad(flat);
   decay_ = pad(decay);
+  if (!uniform) {
+    lr_scale_ = pad(lr_scale);
+    weight_decay_ = pad(weight_decay);
+  }
   // The parameters counted in the norm, clipped to this rank's slice [lo_, lo_ + n_).
   int64_t off = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -87,11 +96,13 @@ void Zero1AdamW::step(double lr) {
   const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(step_));
   const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(step_));
   const auto& g = grad_;
-  if (options_.weight_decay > 0) master_.mul_(1.0 - decay_ * (lr * options_.weight_decay));
+  if (lr_scale_.defined()) master_.mul_(1.0 - weight_decay_ * lr_scale_ * lr);
+  else if (options_.weight_decay > 0) master_.mul_(1.0 - decay_ * (lr * options_.weight_decay));
   exp_avg_.mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
   exp_avg_sq_.mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
   auto denom = (exp_avg_sq_ / bc2).sqrt_().add_(options_.eps);
-  master_.addcdiv_(exp_avg_, denom, -lr / bc1);
+  if (lr_scale_.defined()) master_.addcmul_(exp_avg_ / denom, lr_scale_, -lr / bc1);
+  else master_.addcdiv_(exp_avg_, denom, -lr / bc1);
   grad_ = torch::Tensor();
   // Gathered in the parameters' dtype: the copy into them would round to it anyway.
   auto full = group_.all_gather(master_.to(dtype_), 0);  // (padded) every rank's updated slice

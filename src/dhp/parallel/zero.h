@@ -4,7 +4,7 @@
 // rank receives only the sum of its own slice, in fp32, sent in the gradients' dtype),
 // updates its slice, and all-gathers the updated slices back into every rank's parameters
 // in the parameters' dtype. Same math as optim::AdamW on the summed gradients, element for
-// element. Collective: every member calls reduce_gradients() and step() in the same order.
+// element (per-group rates and decay, AdamWOptions::groups, as per-element tensors). Collective: every member calls reduce_gradients() and step() in the same order.
 #pragma once
 
 #include <utility>
@@ -53,6 +53,9 @@ class Zero1AdamW {
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters' (common) dtype, else fp32
   int64_t total_ = 0, padded_ = 0, lo_ = 0, n_ = 0;
   torch::Tensor master_, exp_avg_, exp_avg_sq_, decay_;  // (n_) fp32, this rank's slice
+  // (n_) fp32 per-element lr scale and weight decay; only where options.groups give some
+  // parameter other settings than the defaults (undefined otherwise: the scalar update).
+  torch::Tensor lr_scale_, weight_decay_;
   std::vector<std::pair<int64_t, int64_t>> norm_ranges_;  // [begin, end) of the slice counted in the norm
   torch::Tensor grad_;  // (n_) fp32 summed gradients of the slice; undefined until reduced
   int64_t step_ = 0;

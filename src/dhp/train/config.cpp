@@ -75,6 +75,15 @@ void Config::validate() const {
             " must satisfy 0 <= min_lr <= lr, lr > 0");
   DHP_CHECK(training.warmup_steps >= 0, "training.warmup_steps must be >= 0");
   DHP_CHECK(training.weight_decay >= 0, "training.weight_decay must be >= 0");
+  for (const auto& [key, value] : {std::pair<const char*, double>{"lr_vision", training.lr_vision},
+                                   {"lr_merger", training.lr_merger},
+                                   {"lr_text", training.lr_text},
+                                   {"weight_decay_vision", training.weight_decay_vision},
+                                   {"weight_decay_merger", training.weight_decay_merger},
+                                   {"weight_decay_text", training.weight_decay_text}}) {
+    DHP_CHECK(value >= 0 || value == -1, "training.", key, "=", value, " must be >= 0, or -1 for the default (training.",
+              std::string(key).rfind("lr", 0) == 0 ? "lr" : "weight_decay", ")");
+  }
   DHP_CHECK(training.beta1 >= 0 && training.beta1 < 1 && training.beta2 >= 0 && training.beta2 < 1,
             "training.beta1 and training.beta2 must be in [0, 1)");
   DHP_CHECK(training.eps > 0, "training.eps must be > 0");

@@ -79,6 +79,10 @@ struct TrainingOptions {
   double min_lr = 1e-4;                   // cosine floor
   int64_t warmup_steps = 20;              // linear warm-up steps
   double weight_decay = 0.05;             // AdamW decoupled decay (not on norms and biases)
+  // Per module (-1: the defaults above): the vision tower (its blocks and patch embedding),
+  // its merger (the projector into the text width), the text decoder (embeddings and lm_head).
+  double lr_vision = -1, lr_merger = -1, lr_text = -1;
+  double weight_decay_vision = -1, weight_decay_merger = -1, weight_decay_text = -1;
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
@@ -100,6 +104,14 @@ struct TrainingOptions {
     v.field("min_lr", min_lr, "learning rate at the end of the cosine decay");
     v.field("warmup_steps", warmup_steps, "linear warm-up steps");
     v.field("weight_decay", weight_decay, "AdamW decoupled weight decay (none on norms and biases)");
+    v.field("lr_vision", lr_vision,
+            "peak learning rate of the vision tower's blocks and patch embedding (-1: training.lr); the same "
+            "warm-up and decay, scaled (min_lr too)");
+    v.field("lr_merger", lr_merger, "peak learning rate of the vision merger (the projector; -1: training.lr)");
+    v.field("lr_text", lr_text, "peak learning rate of the text decoder, embeddings and lm_head (-1: training.lr)");
+    v.field("weight_decay_vision", weight_decay_vision, "weight decay of the vision tower (-1: training.weight_decay)");
+    v.field("weight_decay_merger", weight_decay_merger, "weight decay of the vision merger (-1: training.weight_decay)");
+    v.field("weight_decay_text", weight_decay_text, "weight decay of the text decoder (-1: training.weight_decay)");
     v.field("beta1", beta1, "AdamW beta1");
     v.field("beta2", beta2, "AdamW beta2");
     v.field("eps", eps, "AdamW epsilon");

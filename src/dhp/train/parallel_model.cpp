@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "dhp/core/device_memory.h"
 #include "dhp/core/error.h"
 #include "dhp/core/log.h"
 #include "dhp/core/memory.h"
@@ -54,6 +55,28 @@ Placement resolve_placement(const Config& cfg, const Runtime& rt) {
 }
 
 torch::Device resolve_device(const Config& cfg, const Runtime& rt) { return resolve_placement(cfg, rt).device; }
+
+optim::AdamWOptions optimizer_options(const Config& cfg) {
+  const auto& t = cfg.training;
+  optim::AdamWOptions o;
+  o.beta1 = t.beta1;
+  o.beta2 = t.beta2;
+  o.eps = t.eps;
+  o.weight_decay = t.weight_decay;
+  const std::map<std::string, std::pair<double, double>> part = {{"vision", {t.lr_vision, t.weight_decay_vision}},
+                                                                 {"merger", {t.lr_merger, t.weight_decay_merger}},
+                                                                 {"text", {t.lr_text, t.weight_decay_text}}};
+  bool any = false;
+  for (const auto& [name, settings] : part) any = any || settings.first >= 0 || settings.second >= 0;
+  if (!any) return o;  // every parameter on the defaults
+  // Every part gets its group, the unset ones on the defaults: a part left out would fall
+  // under a shorter prefix (the merger under the tower's).
+  for (const auto& [name, prefix] : qwen::part_prefixes()) {
+    const auto [lr, wd] = part.at(name);
+    o.groups.push_back({prefix, lr < 0 ? 1.0 : lr / t.lr, wd});
+  }
+  return o;
+}
 
 nn::VarlenAttentionOptions attention_options(const Config& cfg) {
   nn::VarlenAttentionOptions o;
@@ -109,6 +132,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
   place_ = resolve_placement(cfg_, rt_);
   device_ = place_.device;
+  use_device(device_);  // before any group or tensor: NCCL and cuBLAS take the current device
   const auto everyone = dist::iota_ranks(rt_.world);
   if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", everyone, rt_.rank, rt_.timeout);
   // Under NCCL the transfers get groups of their own, activations and gradients apart (a
@@ -150,11 +174,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     s.strategy = parallel::make_strategy(s.layout, s.pg);
     s.strategy->apply(*s.target);
   }
-  optim::AdamWOptions o;
-  o.beta1 = cfg_.training.beta1;
-  o.beta2 = cfg_.training.beta2;
-  o.eps = cfg_.training.eps;
-  o.weight_decay = cfg_.training.weight_decay;
+  const auto o = optimizer_options(cfg_);
   for (auto& s : stages_) {
     if (s.strategy && rt_.optimizer) s.strategy->make_optimizer(o);
   }

@@ -83,6 +83,9 @@ Placement place_rank(const std::string& device, const std::string& backend, int6
 Placement resolve_placement(const Config& cfg, const Runtime& rt);
 torch::Device resolve_device(const Config& cfg, const Runtime& rt);
 
+// training.beta1/beta2/eps/weight_decay and the per-module rates and decay (training.lr_vision,
+// ..., as optim::ParamGroups over qwen::part_prefixes()) as the optimizer's options.
+optim::AdamWOptions optimizer_options(const Config& cfg);
 // training.attention_block and training.attention as the attention kernel's options.
 nn::VarlenAttentionOptions attention_options(const Config& cfg);
 

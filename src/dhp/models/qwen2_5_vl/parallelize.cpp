@@ -59,6 +59,10 @@ class Target : public parallel::ModuleTarget {
 
 std::vector<std::string> module_names() { return {"vision", "text"}; }
 
+std::vector<std::pair<std::string, std::string>> part_prefixes() {
+  return {{"vision", "visual."}, {"merger", "visual.merger."}, {"text", "model."}, {"text", "lm_head"}};
+}
+
 std::vector<dist::ModuleDims> module_dims(const ModelConfig& cfg) {
   using S = dist::Strategy;
   const auto& v = cfg.vision;

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dhp/dist/comm.h"
@@ -21,10 +22,14 @@ namespace dhp::qwen {
 // with its merger: visual.*), then "text" (the decoder and lm_head: model.*, lm_head.*).
 // The first feeds the second: its output rows replace the <|image_pad|> embeddings.
 std::vector<std::string> module_names();
+// The parameter-name prefixes of the parts fine-tuning settings name (training.lr_vision,
+// ...): "vision" (visual.*: the tower's blocks and patch embedding), "merger"
+// (visual.merger.*, which wins over vision's shorter prefix), "text" (model.*, lm_head*).
+std::vector<std::pair<std::string, std::string>> part_prefixes();
 // The numbers each module's layout must divide, and the strategies it supports.
 std::vector<dist::ModuleDims> module_dims(const ModelConfig& cfg);
-// The modules of `model` as strategy targets, in module_names() order. `attention_block`:
-// the attention kernel's block (sequence parallelism's Ulysses attention). `model` must
+// The modules of `model` as strategy targets, in module_names() order. `attention`: the
+// attention kernel's options (sequence parallelism's Ulysses attention). `model` must
 // outlive them.
 std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLImpl& model,
                                                                    const nn::VarlenAttentionOptions& attention);
