@@ -16,7 +16,9 @@
 
 #include "dhp/core/error.h"
 #include "dhp/io/checkpoint_store.h"
+#include "dhp/io/safetensors.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
+#include "dhp/models/qwen2_5_vl/peft.h"
 #include "dhp/train/checkpoint.h"
 #include "dhp/train/trainer.h"
 #include "files.h"
@@ -179,7 +181,28 @@ const std::vector<Strategy> kStrategies = {
     {"tp_zero1_2", 2, {"parallel.strategy=tp", "parallel.text.zero=1", "parallel.vision.zero=1"}},
     {"sp2_tp2_disjoint_4", 4, {"parallel.strategy=dhp", "parallel.vision.ranks=[0,1]", "parallel.text.ranks=[2,3]",
                                "training.micro_batches=4"}},
+    // Fine-tuning: checkpoints hold what trains; the frozen rest comes back from the seed.
+    {"dhp_vision_frozen_2", 2, {"parallel.strategy=dhp", "model.vision.freeze=true", "model.merger.freeze=true"}},
+    {"zero3_last_blocks_2", 2, {"parallel.strategy=zero3", "model.vision.trainable_blocks=[-1]",
+                                "model.text.trainable_layers=[-1]"}},
+    {"dhp_lora_2", 2, {"parallel.strategy=dhp", "lora.rank=4", "lora.targets=[q_proj,v_proj,down_proj]"}},
+    {"zero3_lora_2", 2, {"parallel.strategy=zero3", "lora.rank=4", "lora.modules=[vision,text]",
+                         "lora.targets=[qkv,q_proj,o_proj]"}},
 };
+
+// Every parameter in full right after a job of `world` ranks started under `cfg` (resuming).
+std::map<std::string, torch::Tensor> params_at_load(int64_t world, const dhp::Config& cfg) {
+  std::map<std::string, torch::Tensor> loaded;
+  std::mutex mu;
+  train(world, cfg, 0, 0, [&](dhp::train::Trainer& t) {
+    auto p = t.full_parameters();
+    if (t.is_main()) {
+      std::lock_guard<std::mutex> lock(mu);
+      loaded = p;
+    }
+  });
+  return loaded;
+}
 
 void expect_same_params(const TrainedRun& got, const TrainedRun& want, const std::string& what) {
   ASSERT_EQ(got.params.size(), want.params.size()) << what;
@@ -272,6 +295,146 @@ TEST_P(Resharding, LoadsExactlyAndContinuesLikeOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, Resharding, ::testing::ValuesIn(kReshards),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// A fine-tuning checkpoint holds the trainable parameters and their state only; it reshards
+// (dhp -> zero3, bit for bit at load); resuming with another freeze setting is refused naming
+// the keys; its parameters in full (dhp convert) are the run's, the frozen ones from the seed.
+TEST(FineTuneCheckpoint, HoldsWhatTrainsReshardsAndRefusesOtherFreezing) {
+  dhp::testing::TempDir dir("ckpt-finetune");
+  const auto root = dir.path().string();
+  const std::vector<std::string> tuning = {"model.vision.trainable_blocks=[-1]", "model.text.trainable_layers=[0]"};
+  auto with_layout = [&](const std::string& strategy, std::vector<std::string> extra) {
+    extra.push_back("parallel.strategy=" + strategy);
+    extra.insert(extra.end(), tuning.begin(), tuning.end());
+    return extra;
+  };
+  const auto a = train(2, config(with_layout("dhp", {}), root), 2, 2);
+  const auto step2 = (dir.path() / "step-2").string();
+  const auto cfg = config(with_layout("dhp", {}), root);
+  {
+    dhp::io::CheckpointReader r(step2);
+    int64_t frozen = 0;
+    for (const auto& [name, p] : a.params) {
+      const bool trains = cfg.model.freezing.trainable(name, cfg.model.config);
+      EXPECT_EQ(r.has("param/" + name), trains) << name;
+      EXPECT_EQ(r.has("exp_avg/" + name), trains) << name;
+      frozen += trains ? 0 : 1;
+    }
+    EXPECT_GT(frozen, 0);
+    const auto full = dhp::train::checkpoint_parameters(r, /*masters=*/false);
+    ASSERT_EQ(full.size(), a.params.size());
+    for (const auto& [name, p] : a.params) EXPECT_TRUE(torch::equal(full.at(name), p)) << name;
+  }
+  TrainedRun at_load;
+  at_load.params =
+      params_at_load(2, config(with_layout("zero3", {"checkpoint.resume=" + step2, "checkpoint.dir=" + root + "/b"}), root));
+  expect_same_params(at_load, a, "dhp -> zero3 at load");
+  try {
+    dhp::train::Trainer t(config({"checkpoint.resume=" + step2, "model.vision.freeze=true"}, root));
+    ADD_FAILURE() << "resumed with another freeze setting";
+  } catch (const dhp::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("model.vision.freeze: false there, true here"), std::string::npos) << m;
+    EXPECT_NE(m.find("model.text.trainable_layers"), std::string::npos) << m;
+  }
+}
+
+// LoRA: a checkpoint saved under dhp loads into tp (adapters cut like their weights) bit for
+// bit; the HF export merges each adapter (W + alpha/r * B A, exactly that in fp32) and runs
+// the same forward as base + adapters; the PEFT export has PEFT's keys and config and loads
+// back (lora.from) to the same adapters; a PEFT directory of another rank or model is refused.
+TEST(LoraExport, MergedAndPeftExportsReshardAndReload) {
+  dhp::testing::TempDir dir("ckpt-lora");
+  const auto root = dir.path().string();
+  const std::vector<std::string> lora = {"lora.rank=4", "lora.alpha=8", "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"};
+  auto sets = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), lora.begin(), lora.end());
+    return extra;
+  };
+  const auto a = train(2, config(sets({"parallel.strategy=dhp"}), root), 2, 2);
+  const auto cfg = config(sets({}), root);
+  {  // A run's own exports (Trainer::run): both directories written.
+    dhp::train::Trainer t(config(sets({"training.steps=1", "output.hf_export=true", "output.peft_export=true",
+                                       "checkpoint.at_end=false", "output.dir=" + root + "/one"}), root));
+    t.run();
+    EXPECT_TRUE(fs::exists(dir.path() / "one" / "hf" / "model.safetensors"));
+    EXPECT_TRUE(fs::exists(dir.path() / "one" / "peft" / "adapter_config.json"));
+    dhp::io::SafetensorsReader r((dir.path() / "one" / "hf" / "model.safetensors").string());
+    for (const auto& t : r.tensors()) EXPECT_EQ(t.name.find("lora_"), std::string::npos) << t.name;
+  }
+  const double scale = cfg.lora.spec().scale();
+  auto merged = a.params;
+  const int64_t n = dhp::qwen::merge_lora(merged, scale);
+  EXPECT_EQ(n, static_cast<int64_t>(dhp::qwen::adapted_linears(cfg.model.config, cfg.lora.spec()).size()));
+  for (const auto& l : dhp::qwen::adapted_linears(cfg.model.config, cfg.lora.spec())) {
+    const auto& w = a.params.at(l.name + ".weight");
+    const auto want = w + torch::matmul(a.params.at(l.name + ".lora_B.weight"), a.params.at(l.name + ".lora_A.weight")) * scale;
+    EXPECT_TRUE(torch::equal(merged.at(l.name + ".weight"), want)) << l.name;
+    EXPECT_FALSE(torch::equal(merged.at(l.name + ".weight"), w)) << l.name << ": the adapter changed nothing";
+    EXPECT_FALSE(merged.count(l.name + ".lora_A.weight"));
+  }
+  const auto hf = dir.path() / "hf", peft = dir.path() / "peft";
+  dhp::qwen::save_hf(hf.string(), merged, cfg.model.config);
+  dhp::qwen::save_peft(peft.string(), a.params, cfg.lora.spec(), cfg.model.config, "");
+  // Forward: base + adapters vs the merged directory, on a text sample.
+  auto lora_model = dhp::train::build_model(cfg);
+  auto plain = dhp::train::build_model(config({"model.from=" + hf.string()}, root));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& kv : lora_model->named_parameters()) kv.value().copy_(a.params.at(kv.key()));
+  }
+  torch::manual_seed(5);
+  const auto ids = torch::randint(10, cfg.model.config.text.vocab_size, {1, 24}, torch::kInt64);
+  const auto want = dhp::qwen::forward_logits(*lora_model, ids, {}, {});
+  const auto got = dhp::qwen::forward_logits(*plain, ids, {}, {});
+  EXPECT_LT((got - want).abs().max().item<double>(), 1e-5 * (want.abs().max().item<double>() + 1));
+  // PEFT: keys, config, and back into a model through lora.from.
+  {
+    dhp::io::SafetensorsReader r((peft / "adapter_model.safetensors").string());
+    EXPECT_NE(r.find("base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"), nullptr);
+    EXPECT_NE(r.find("base_model.model.model.language_model.layers.0.mlp.down_proj.lora_B.weight"), nullptr);
+    EXPECT_EQ(r.tensors().size(), 2 * static_cast<size_t>(n));
+    const dhp::qwen::PeftAdapter p(peft.string());
+    EXPECT_EQ(p.rank(), 4);
+    EXPECT_EQ(p.alpha(), 8);
+    EXPECT_EQ(p.target_modules().size(), static_cast<size_t>(n));
+    EXPECT_EQ(p.target_modules().front(), "model.language_model.layers.0.self_attn.q_proj");
+  }
+  auto reloaded = dhp::train::build_model(config(sets({"lora.from=" + peft.string()}), root));
+  int64_t adapters = 0;
+  for (const auto& kv : reloaded->named_parameters()) {  // trained adapters, and the frozen base from the seed
+    const bool adapter = dhp::qwen::is_lora_parameter(kv.key());
+    adapters += adapter ? 1 : 0;
+    if (adapter || !cfg.model.freezing.trainable(kv.key(), cfg.model.config))
+      EXPECT_TRUE(torch::equal(kv.value(), a.params.at(kv.key()))) << kv.key();
+  }
+  EXPECT_EQ(adapters, 2 * n);
+  auto peft_error = [&](const std::vector<std::string>& extra) {
+    try {
+      dhp::train::build_model(config(extra, root));
+    } catch (const dhp::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("<no error>");
+  };
+  auto other_rank = lora;
+  other_rank[0] = "lora.rank=8";
+  other_rank.push_back("lora.from=" + peft.string());
+  EXPECT_NE(peft_error(other_rank).find("adapter_config.json: r is 4 but lora.rank is 8"), std::string::npos);
+  auto wider = lora;
+  wider.insert(wider.end(), {"lora.from=" + peft.string(), "model.text.intermediate_size=512"});
+  EXPECT_NE(peft_error(wider).find("an adapter of another base model?"), std::string::npos) << peft_error(wider);
+  auto fewer = std::vector<std::string>{"lora.rank=4", "lora.alpha=8", "lora.targets=[q_proj]", "lora.from=" + peft.string()};
+  EXPECT_NE(peft_error(fewer).find("which lora.targets and lora.modules do not adapt"), std::string::npos);
+  // dhp -> tp: the adapters follow their weights' cuts; the parameters at load are the saved ones.
+  TrainedRun at_load;
+  at_load.params = params_at_load(2, config(sets({"parallel.strategy=tp", "checkpoint.resume=" + (dir.path() / "step-2").string(),
+                                                  "checkpoint.dir=" + root + "/b"}), root));
+  expect_same_params(at_load, a, "lora dhp -> tp at load");
+  // dhp convert's path: the checkpoint's parameters in full (frozen base from the seed).
+  const auto full = dhp::train::checkpoint_parameters(dhp::io::CheckpointReader((dir.path() / "step-2").string()), false);
+  for (const auto& [name, p] : a.params) EXPECT_TRUE(torch::equal(full.at(name), p)) << name;
+}
 
 // A bf16 run's checkpoint continues in fp32 from its fp32 masters.
 TEST(Resharding, Bf16CheckpointLoadsIntoFp32FromTheMasters) {

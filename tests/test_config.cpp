@@ -113,6 +113,93 @@ TEST(Config, ResolvedConfigRoundTrips) {
   EXPECT_EQ(d.output.dir, "x y");
 }
 
+// Fine-tuning keys: model.vision.freeze / trainable_blocks, model.merger.freeze,
+// model.text.freeze / trainable_layers / freeze_embeddings / freeze_lm_head; which names
+// train, the counts, and bad values named with their key.
+TEST(Config, FreezingKeysDecideWhatTrains) {
+  auto c = dhp::load_config("", {"model.vision.trainable_blocks=[-1, 0]", "model.merger.freeze=true",
+                                 "model.text.trainable_layers=[1]", "model.text.freeze_embeddings=true",
+                                 "model.text.freeze_lm_head=true"});
+  const auto& f = c.model.freezing;
+  const auto& m = c.model.config;
+  const int64_t last = m.vision.depth - 1;
+  ASSERT_GE(last, 2);
+  EXPECT_TRUE(f.trainable("visual.blocks.0.attn.qkv.weight", m));
+  EXPECT_TRUE(f.trainable("visual.blocks." + std::to_string(last) + ".norm1.weight", m));
+  EXPECT_FALSE(f.trainable("visual.blocks.1.mlp.down_proj.weight", m));
+  EXPECT_FALSE(f.trainable("visual.patch_embed.proj.weight", m));
+  EXPECT_FALSE(f.trainable("visual.merger.mlp.0.weight", m));
+  EXPECT_TRUE(f.trainable("model.layers.1.self_attn.q_proj.weight", m));
+  EXPECT_FALSE(f.trainable("model.layers.0.self_attn.q_proj.weight", m));
+  EXPECT_FALSE(f.trainable("model.embed_tokens.weight", m));
+  EXPECT_TRUE(f.trainable("model.norm.weight", m));
+  EXPECT_FALSE(f.encoder_frozen());
+  EXPECT_TRUE(f.any());
+  const auto s = dhp::qwen::parameter_sizes(m);
+  const auto n = dhp::qwen::count_trainable(m, f);
+  EXPECT_EQ(n.vision, 2 * s.vision_block);
+  EXPECT_EQ(n.text, s.text_layer + s.norm);
+  // The resolved config round-trips the settings.
+  auto again = dhp::load_config(write_tmp("f.yaml", dhp::to_yaml(c)), {});
+  EXPECT_EQ(dhp::to_yaml(again), dhp::to_yaml(c));
+  EXPECT_FALSE(dhp::load_config("", {}).model.freezing.any());
+  EXPECT_TRUE(dhp::load_config("", {"model.vision.freeze=true", "model.merger.freeze=true"}).model.freezing.encoder_frozen());
+
+  auto err = [](const std::vector<std::string>& sets) { return error_of([&] { dhp::load_config("", sets); }); };
+  EXPECT_NE(err({"model.vision.trainable_blocks=[99]"}).find("model.vision.trainable_blocks holds 99, out of range"),
+            std::string::npos);
+  EXPECT_NE(err({"model.text.trainable_layers=[0, -" + std::to_string(c.model.config.text.num_layers) + "]"})
+                .find("model.text.trainable_layers names block 0 twice"),
+            std::string::npos);
+  // [] is the default's spelling in a resolved config (every block trains), not an error.
+  EXPECT_FALSE(dhp::load_config("", {"model.vision.trainable_blocks=[]"}).model.freezing.any());
+  EXPECT_NE(err({"model.vision.trainable_blocks=[1]", "model.vision.freeze=true"}).find("set one of the two"),
+            std::string::npos);
+  EXPECT_NE(err({"model.text.freeze_lm_head=true"}).find("with tied embeddings"), std::string::npos);
+  EXPECT_NE(err({"model.vision.freeze=true", "model.merger.freeze=true", "model.text.freeze=true"})
+                .find("nothing would train"),
+            std::string::npos);
+  EXPECT_NE(err({"model.merger.frieze=true"}).find("model.merger.frieze"), std::string::npos);
+  EXPECT_NE(err({"model.vision.freeze=maybe"}).find("model.vision.freeze"), std::string::npos);
+}
+
+// LoRA keys: the adapted linears follow lora.targets / lora.modules (PEFT's matching, and
+// NAME.*), the base there is frozen, and bad values are named.
+TEST(Config, LoraKeysChooseTheAdaptedLinears) {
+  auto c = dhp::load_config("", {"lora.rank=8", "lora.modules=[vision,text]", "lora.targets=[q_proj,mlp.*]"});
+  const auto& m = c.model.config;
+  const auto adapted = dhp::qwen::adapted_linears(m, c.lora.spec());
+  // Per vision block gate/up/down (mlp.*), per text layer q_proj and gate/up/down.
+  EXPECT_EQ(adapted.size(), static_cast<size_t>(3 * m.vision.depth + 4 * m.text.num_layers));
+  EXPECT_EQ(adapted.front().name, "visual.blocks.0.mlp.gate_proj");
+  const auto& f = c.model.freezing;
+  EXPECT_FALSE(f.trainable("visual.blocks.0.mlp.gate_proj.weight", m));
+  EXPECT_TRUE(f.trainable("visual.blocks.0.mlp.gate_proj.lora_A.weight", m));
+  EXPECT_TRUE(f.trainable("visual.merger.mlp.0.weight", m));  // not in lora.modules: trains
+  EXPECT_FALSE(f.trainable("model.embed_tokens.weight", m));
+  EXPECT_FALSE(f.encoder_frozen());
+  const auto n = dhp::qwen::count_adapter_parameters(m, c.lora.spec());
+  const int64_t hv = m.vision.hidden_size, iv = m.vision.intermediate_size, h = m.text.hidden_size,
+                it = m.text.intermediate_size;
+  EXPECT_EQ(n.vision, m.vision.depth * 8 * 3 * (hv + iv));
+  EXPECT_EQ(n.text, m.text.num_layers * 8 * (2 * h + 3 * (h + it)));
+  EXPECT_TRUE(dhp::qwen::lora_target_matches("attn.proj", "visual.blocks.3.attn.proj"));
+  EXPECT_FALSE(dhp::qwen::lora_target_matches("proj", "visual.blocks.3.attn.qkv"));
+  EXPECT_FALSE(dhp::qwen::lora_target_matches("q_proj", "model.layers.0.self_attn.qq_proj"));
+
+  auto err = [](const std::vector<std::string>& sets) { return error_of([&] { dhp::load_config("", sets); }); };
+  EXPECT_NE(err({"lora.rank=-1"}).find("lora.rank must be >= 0"), std::string::npos);
+  const auto none = err({"lora.rank=4", "lora.targets=[qkv]"});  // qkv is the vision tower's; modules = [text]
+  EXPECT_NE(none.find("lora.targets: 'qkv' names no linear of lora.modules [text]"), std::string::npos) << none;
+  EXPECT_NE(none.find("q_proj"), std::string::npos) << none;
+  const auto both = err({"lora.rank=4", "model.text.freeze=true"});
+  EXPECT_NE(both.find("lora.modules has text and model.text.freeze"), std::string::npos) << both;
+  EXPECT_NE(err({"lora.rank=4", "lora.modules=[audio]"}).find("lora.modules has 'audio'"), std::string::npos);
+  EXPECT_NE(err({"lora.from=/x"}).find("lora.from=/x needs lora.rank > 0"), std::string::npos);
+  EXPECT_NE(err({"output.peft_export=true"}).find("needs LoRA adapters"), std::string::npos);
+  EXPECT_NE(err({"lora.rank=4", "lora.dropout=1"}).find("lora.dropout must be in [0, 1)"), std::string::npos);
+}
+
 TEST(Memory, ParseAndFormatBytes) {
   EXPECT_EQ(dhp::parse_bytes("2GiB", "x"), 2LL << 30);
   EXPECT_EQ(dhp::parse_bytes("512MiB", "x"), 512LL << 20);

@@ -163,6 +163,42 @@ TEST(Model, ActivationCheckpointingGivesEqualGrads) {
   }
 }
 
+// Freezing: the tensors apply_freezing leaves trainable add up to count_trainable's formula;
+// with checkpointing on, frozen blocks before the first trainable one get no gradient and
+// the trainable ones the same gradients as without freezing.
+TEST(ParamCount, TrainableCountAndGradientsFollowTheFreezing) {
+  auto c = dhp::qwen::preset("demo");
+  dhp::qwen::Freezing f;
+  f.vision.trainable_blocks = {2, -1};
+  f.text.trainable_layers = {-1};
+  f.text.freeze_embeddings = f.text.freeze_lm_head = true;
+  torch::manual_seed(3);
+  auto b = tiny_batch(c, 112);
+  std::map<std::string, torch::Tensor> grads[2];
+  for (int frozen = 0; frozen < 2; ++frozen) {
+    dhp::qwen::Qwen2_5_VL m(c);
+    dhp::qwen::init_parameters(*m, 1, 0.05);
+    m->set_activation_checkpointing(true);
+    if (frozen) EXPECT_GT(dhp::qwen::apply_freezing(*m, f, c), 0);
+    int64_t trainable = 0;
+    for (const auto& p : m->parameters())
+      if (p.requires_grad()) trainable += p.numel();
+    if (frozen) EXPECT_EQ(trainable, dhp::qwen::count_trainable(c, f).total());
+    m->forward(b).loss_sum.backward();
+    for (auto& kv : m->named_parameters())
+      if (kv.value().grad().defined()) grads[frozen][kv.key()] = kv.value().grad().clone();
+  }
+  int64_t with_grad = 0;
+  for (const auto& [name, g] : grads[0]) {
+    const bool trains = f.trainable(name, c);
+    ASSERT_EQ(grads[1].count(name) > 0, trains) << name;
+    if (!trains) continue;
+    ++with_grad;
+    EXPECT_TRUE(torch::allclose(grads[1].at(name), g, 1e-5, 1e-7)) << name;
+  }
+  EXPECT_GT(with_grad, 0);
+}
+
 // Packing: the loss of samples concatenated into one row (vision patches and tokens, with
 // cu_seqlens) is the sum of each sample's loss alone, and so are the gradients; any
 // attention across a boundary (vision window/full, text causal) would change them.

@@ -359,6 +359,53 @@ TEST(PlanEstimate, StatesShardAndTensorParallelReplicatesElementwiseWork) {
   EXPECT_GT(fast.memory_bytes, sp.memory_bytes);
 }
 
+// Fine-tuning in the planner: a frozen vision encoder runs forward only (a quarter of the
+// checkpointed GEMM passes: forward, recompute, two backward), keeps no activations and holds
+// its parameters alone; the decoder is unchanged but for the embeddings' gradients it no
+// longer sends; frozen text layers before the first trainable one run no backward at all.
+TEST(PlanEstimate, FrozenModulesHoldNoGradientsOrStateAndRunNoBackward) {
+  const auto m = dhp::qwen::preset("qwen2.5-vl-7b");
+  const auto c = cluster_preset("h100x4");  // 7B's 4 kv heads: tp up to 4
+  const auto w = reference_workload(4096, 8);
+  auto frozen = w;
+  frozen.freezing.vision.freeze = true;
+  frozen.freezing.merger.freeze = true;
+  const auto full = estimate(m, c, w, named_plan("dhp", 4)), fz = estimate(m, c, frozen, named_plan("dhp", 4));
+  ASSERT_TRUE(full.fits && fz.fits) << full.reason << fz.reason;
+  EXPECT_NEAR(fz.vision.gemm_s / full.vision.gemm_s, 0.25, 0.01);
+  EXPECT_EQ(fz.vision.activation_bytes, 0);
+  EXPECT_EQ(fz.vision.optimizer_s, 0);
+  const double vision_params = static_cast<double>(dhp::qwen::count_parameters(m).vision);
+  EXPECT_DOUBLE_EQ(fz.vision.state_bytes, vision_params * 2);  // bf16 parameters, nothing else
+  EXPECT_LT(fz.vision.comm_calls, full.vision.comm_calls);
+  EXPECT_DOUBLE_EQ(fz.text.gemm_s, full.text.gemm_s);
+  EXPECT_LT(fz.step_s, full.step_s);
+  EXPECT_LT(fz.memory_bytes, full.memory_bytes);
+  // Only the last two text layers (and no embeddings) train, the vision frozen: the layers
+  // before them run forward only and keep nothing.
+  auto last = frozen;
+  last.freezing.text.trainable_layers = {-2, -1};
+  last.freezing.text.freeze_embeddings = true;
+  last.freezing.text.freeze_lm_head = true;
+  const auto lt = estimate(m, c, last, named_plan("tp", 4)), ft = estimate(m, c, frozen, named_plan("tp", 4));
+  EXPECT_LT(lt.text.gemm_s, 0.4 * ft.text.gemm_s);
+  EXPECT_LT(lt.text.activation_bytes, 0.15 * ft.text.activation_bytes);  // 3 of 29 layer inputs
+  EXPECT_LT(lt.text.state_bytes, 0.3 * ft.text.state_bytes);
+  // LoRA (rank 16) on the decoder's linears: its base frozen, the adapters' states only; every
+  // layer still runs a backward (the adapters' gradients), without weight gradients.
+  auto lora = frozen;
+  lora.lora = {16, 32, 0, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, {"text"}};
+  lora.freezing.adapted = {"text"};
+  const auto lr = estimate(m, c, lora, named_plan("tp", 4));
+  const double text_params = static_cast<double>(dhp::qwen::count_parameters(m).text);
+  const double adapters = static_cast<double>(dhp::qwen::count_adapter_parameters(m, lora.lora).text);
+  EXPECT_GT(adapters, 0);
+  EXPECT_NEAR(lr.text.state_bytes, ((text_params + adapters - adapters) * 2 + adapters * 16) / 4, 1);
+  EXPECT_LT(lr.text.gemm_s, ft.text.gemm_s);
+  EXPECT_GT(lr.text.gemm_s, 0.6 * ft.text.gemm_s);  // input gradients: 3 of 4 passes
+  EXPECT_GT(lr.text.activation_bytes, 0.9 * ft.text.activation_bytes);
+}
+
 TEST(PlanSearch, FastestFirstAndEveryRejectionExplained) {
   const auto m = dhp::qwen::preset("qwen2.5-vl-7b");
   const auto c = cluster_preset("h100x4");

@@ -204,6 +204,24 @@ TEST(Schedule, DisjointPipelinedRunsVisionOneMicroBatchAhead) {
   }
 }
 
+// A frozen encoder (fine-tuning) gets no gradients: its ranks stream forwards, the decoder
+// sends nothing back; a rank hosting both runs forward, then the decoder.
+TEST(Schedule, AFrozenEncoderIsAForwardOnlyStage) {
+  const auto v = layout("vision", "sp", {0, 1}, 1, 2, 1);
+  const auto t = layout("text", "tp", {2, 3}, 1, 1, 2);
+  const std::vector<ModuleLayout> m{v, t};
+  auto sched = [&](const std::vector<ModuleLayout>& mods, int64_t rank, int64_t n, bool pipelined) {
+    return dhp::train::to_string(dhp::train::make_schedule(mods, rank, n, pipelined, {true}), mods);
+  };
+  EXPECT_EQ(sched(m, 0, 3, true), "VF0 SA0 VF1 SA1 VF2 SA2");
+  EXPECT_EQ(sched(m, 2, 3, true), "RA0 TFB0 RA1 TFB1 RA2 TFB2");
+  EXPECT_EQ(sched(m, 1, 2, false), "VF0 SA0 VF1 SA1");
+  const std::vector<ModuleLayout> both{layout("vision", "sp", {0, 1, 2, 3}, 1, 4, 1), t};
+  EXPECT_EQ(sched(both, 3, 2, true), "VF0 SA0 RA0 TFB0 VF1 SA1 RA1 TFB1");
+  // Not frozen: the usual gradients (an empty list = every encoder trains).
+  EXPECT_EQ(dhp::train::to_string(dhp::train::make_schedule(m, 0, 1, true, {false}), m), "VF0 SA0 RG0 VB0");
+}
+
 TEST(Schedule, ARankHostingBothModulesRunsSequentially) {
   const auto v = layout("vision", "sp", {0, 1, 2, 3}, 1, 4, 1);
   const auto t = layout("text", "tp", {2, 3}, 1, 1, 2);

@@ -170,6 +170,44 @@ TEST(StrategyParity, PerModuleRatesEqualSingleProcess) {
   EXPECT_GT(moved, 0);
 }
 
+// Fine-tuning rows: each layout with frozen parts trains like one process with the same
+// settings (linear regime: losses and every parameter within kRel), and every frozen
+// parameter is bit-identical to its initial value while the trainable ones moved.
+class FineTuneParity : public ::testing::TestWithParam<dhp::testing::FineTuneCase> {};
+
+TEST_P(FineTuneParity, EqualsSingleProcessAndLeavesFrozenParametersUntouched) {
+  const auto& c = GetParam();
+  auto sets = kLinearAdam;
+  sets.insert(sets.end(), c.tuning.begin(), c.tuning.end());
+  static std::map<std::vector<std::string>, TrainedRun> refs;  // one reference per setting
+  if (!refs.count(sets)) refs[sets] = train_single(sets);
+  const auto& ref = refs.at(sets);
+  const auto cfg = config(sets);
+  const auto got = train_parallel({c.name, c.world, c.layout}, sets);
+  expect_losses(got, ref, "linear AdamW");
+  dhp::train::Trainer fresh(cfg);
+  const auto before = fresh.full_parameters();
+  ASSERT_EQ(got.params.size(), before.size());
+  int64_t frozen = 0, trained = 0;
+  for (const auto& [name, want] : ref.params) {
+    const auto& p = got.params.at(name);
+    const double rel = (p - want).norm().item<double>() / (want.norm().item<double>() + 1e-12);
+    EXPECT_LT(rel, kRel) << name;
+    if (cfg.model.freezing.trainable(name, cfg.model.config)) {
+      ++trained;
+      EXPECT_FALSE(torch::equal(p, before.at(name))) << name << " trains but did not move";
+    } else {
+      ++frozen;
+      EXPECT_TRUE(torch::equal(p, before.at(name))) << name << " is frozen but changed";
+    }
+  }
+  EXPECT_GT(frozen, 0);
+  EXPECT_GT(trained, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, FineTuneParity, ::testing::ValuesIn(dhp::testing::fine_tune_matrix()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 // bf16 compute (fp32 masters): every named combination runs, its collectives carrying bf16
 // activations and gradients, and its losses stay within bf16 rounding of one process
 // (bf16 keeps 8 significant bits, ~4e-3 relative; sums in other orders differ by a few of
@@ -232,6 +270,26 @@ TEST(StrategyAccounting, HeldElementsFollowTheStrategy) {
     EXPECT_LE(text.parameters, t.parameters / 2 + 200);
   }
   EXPECT_GE(vision_sum, v.parameters);
+  // A frozen module holds its parameters but no optimizer state; a partly frozen one, state
+  // for what trains only.
+  const auto frozen = per_rank({"parallel.strategy=dhp", "model.vision.freeze=true", "model.merger.freeze=true"});
+  for (const auto& [vision, text] : frozen) {
+    EXPECT_EQ(vision.parameters, v.parameters);
+    EXPECT_EQ(vision.trainable, 0);
+    EXPECT_EQ(vision.optimizer_state, 0);
+    EXPECT_EQ(text.trainable, text.parameters);
+  }
+  const auto merger = per_rank({"parallel.strategy=zero3", "model.vision.freeze=true"});
+  const auto mc = config({}).model.config;
+  const int64_t merger_params = dhp::qwen::parameter_sizes(mc).merger;
+  int64_t merger_sum = 0;
+  for (const auto& [vision, text] : merger) {
+    merger_sum += vision.trainable;
+    EXPECT_LT(vision.trainable, vision.parameters / 2);
+    EXPECT_EQ(vision.optimizer_state, 2 * vision.trainable);
+  }
+  EXPECT_GE(merger_sum, merger_params);      // the merger's slices, padded
+  EXPECT_LE(merger_sum, merger_params + 20);
 }
 
 TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {

@@ -22,8 +22,7 @@
 namespace dhp::cli {
 namespace {
 
-void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {
-  const auto p = dhp::qwen::count_parameters(c);
+void print_line(const std::string& name, const dhp::qwen::ParamCount& p) {
   auto human = [](int64_t n) {
     char buf[32];
     if (n >= 1000000000) std::snprintf(buf, sizeof(buf), "%.3fB", n / 1e9);
@@ -34,6 +33,24 @@ void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {
               human(p.text).c_str(), human(p.total()).c_str(), static_cast<long long>(p.total()));
 }
 
+void print_count(const std::string& name, const dhp::qwen::ModelConfig& c) {
+  print_line(name, dhp::qwen::count_parameters(c));
+}
+
+// The configured model (with its LoRA adapters), with what trains and what is frozen
+// (model.*.freeze, ..., and LoRA's base weights).
+void print_trainable(const std::string& name, const dhp::Config& cfg) {
+  const auto& c = cfg.model.config;
+  const auto adapters = dhp::qwen::count_adapter_parameters(c, cfg.lora.spec());
+  auto all = dhp::qwen::count_parameters(c), trains = dhp::qwen::count_trainable(c, cfg.model.freezing);
+  all.vision += adapters.vision, all.text += adapters.text;
+  trains.vision += adapters.vision, trains.text += adapters.text;
+  print_line(name, all);
+  print_line("  trainable", trains);
+  print_line("  frozen", {all.vision - trains.vision, all.text - trains.text});
+  if (adapters.total() > 0) print_line("  LoRA adapters", adapters);
+}
+
 }  // namespace
 
 int cmd_params(int argc, char** argv, int first) {
@@ -41,7 +58,10 @@ int cmd_params(int argc, char** argv, int first) {
   if (a.help) {
     std::printf("usage: dhp params [--config FILE] [--set KEY=VALUE]... | --all\n\n"
                 "Prints the exact parameter count (vision tower with merger, text decoder with\n"
-                "embeddings and lm_head) of the configured model, or of every preset with --all.\n\noptions:\n%s"
+                "embeddings and lm_head) of the configured model and its LoRA adapters, with how many\n"
+                "of them train and how many are frozen (model.vision.freeze,\n"
+                "model.text.trainable_layers, ..., LoRA's base weights), or of\n"
+                "every preset with --all.\n\noptions:\n%s"
                 "  --all             every preset\n", kConfigFlags);
     return 0;
   }
@@ -50,7 +70,7 @@ int cmd_params(int argc, char** argv, int first) {
     return 0;
   }
   auto cfg = dhp::load_config(a.config, a.sets);
-  print_count(cfg.model.preset, cfg.model.config);
+  print_trainable(cfg.model.from.empty() ? cfg.model.preset : cfg.model.from, cfg);
   return 0;
 }
 

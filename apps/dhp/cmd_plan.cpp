@@ -187,6 +187,8 @@ int cmd_plan(int argc, char** argv, int first) {
     model_name = cfg->model.preset;
     if (!a.precision_given) o.workload.precision = cfg->training.precision;
     if (!a.ckpt_given) o.workload.checkpointing = cfg->training.activation_checkpointing;
+    o.workload.freezing = cfg->model.freezing;  // frozen parts: no gradients, optimizer state or backward
+    o.workload.lora = cfg->lora.spec();
     if (!a.text_given && cfg->data.dataset == "shapes") {  // the task's mean text and answer tokens
       std::tie(o.workload.text_tokens, o.workload.target_tokens) = dhp::train::shapes_text_tokens(*cfg);
     }

@@ -73,15 +73,20 @@ Config choose_auto(const Config& cfg, int64_t world, const std::optional<launch:
 
 // --print-schedule: each rank's modules and the actions of one step.
 void print_schedule(const Config& cfg, const train::Layouts& layouts, int64_t world) {
-  std::printf("%lld rank(s): %s; %lld micro-batch(es) per step, %s\n", static_cast<long long>(world),
+  const auto forward_only = train::forward_only_encoders(cfg);
+  std::string frozen;
+  for (size_t e = 0; e < forward_only.size(); ++e)
+    if (forward_only[e]) frozen += "; " + layouts.modules[e].name + " frozen: forward only";
+  std::printf("%lld rank(s): %s; %lld micro-batch(es) per step, %s%s\n", static_cast<long long>(world),
               train::describe(layouts).c_str(), static_cast<long long>(cfg.training.micro_batches),
-              cfg.parallel.pipeline && train::disjoint(layouts.modules) ? "pipelined" : "sequential");
+              cfg.parallel.pipeline && train::disjoint(layouts.modules) ? "pipelined" : "sequential", frozen.c_str());
   for (int64_t r = 0; r < world; ++r) {
     std::string hosts;
     for (const auto& m : layouts.modules) {
       if (m.module_rank(r) >= 0) hosts += (hosts.empty() ? "" : "+") + m.name;
     }
-    const auto actions = train::make_schedule(layouts.modules, r, cfg.training.micro_batches, cfg.parallel.pipeline);
+    const auto actions =
+        train::make_schedule(layouts.modules, r, cfg.training.micro_batches, cfg.parallel.pipeline, forward_only);
     std::printf("rank %lld [%s]: %s\n", static_cast<long long>(r), hosts.c_str(), train::to_string(actions, layouts.modules).c_str());
   }
 }

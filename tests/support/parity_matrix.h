@@ -85,6 +85,57 @@ inline const std::vector<ParityCase>& parity_matrix() {
 
 // The matrix's config: demo widths with 8 query / 4 kv heads so text tp=4 divides them;
 // images 56..168 px; then the row's keys.
+// Fine-tuning rows (model.* freezing settings on top of a layout): each trains against the
+// single-process run with the same settings, its frozen parameters bit-identical after
+// training (tests/test_strategies.cpp).
+struct FineTuneCase {
+  const char* name;
+  int64_t world;
+  std::vector<std::string> layout;  // parallel.* keys
+  std::vector<std::string> tuning;  // model.* fine-tuning keys
+};
+inline void PrintTo(const FineTuneCase& c, std::ostream* os) { *os << c.name; }
+
+// The vision encoder frozen whole (no gradients go back: a forward-only vision group);
+// the last blocks of each tower trainable (and the text embeddings, tied to lm_head, frozen).
+inline const std::vector<std::string> kVisionFrozen = {"model.vision.freeze=true", "model.merger.freeze=true"};
+inline const std::vector<std::string> kLastBlocks = {"model.vision.trainable_blocks=[-1]",
+                                                     "model.text.trainable_layers=[-1]",
+                                                     "model.text.freeze_embeddings=true", "model.text.freeze_lm_head=true"};
+
+inline const std::vector<std::string> kLoraText = {
+    "lora.rank=4", "lora.alpha=8", "lora.modules=[text]",
+    "lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "model.vision.freeze=true",
+    "model.merger.freeze=true"};
+inline const std::vector<std::string> kLoraVision = {"lora.rank=4", "lora.alpha=8", "lora.modules=[vision,merger]",
+                                                     "lora.targets=[qkv,attn.proj,mlp.*]"};
+
+inline const std::vector<FineTuneCase>& fine_tune_matrix() {
+  static const std::vector<FineTuneCase> cases = {
+    {"vision_frozen_dhp_2", 2, {"parallel.strategy=dhp"}, kVisionFrozen},
+    {"vision_frozen_zero3_2", 2, {"parallel.strategy=zero3"}, kVisionFrozen},
+    {"vision_frozen_tp_zero1_2", 2, {"parallel.strategy=tp", "parallel.text.zero=1", "parallel.vision.zero=1"},
+     kVisionFrozen},
+    {"vision_frozen_sp2_tp2_disjoint_4", 4, kSp2TextTp2Disjoint, kVisionFrozen},
+    {"vision_frozen_v1_tp2_disjoint_seq_3", 3, with(kVisionOneTextTp2, "parallel.pipeline=false"), kVisionFrozen},
+    {"last_blocks_dhp_2", 2, {"parallel.strategy=dhp"}, kLastBlocks},
+    {"last_blocks_zero3_2", 2, {"parallel.strategy=zero3"}, kLastBlocks},
+    {"last_blocks_tp_4", 4, {"parallel.strategy=tp"}, kLastBlocks},
+    {"last_blocks_dp_2", 2, {"parallel.strategy=dp"}, kLastBlocks},
+    {"merger_only_sp2_tp2_disjoint_4", 4, kSp2TextTp2Disjoint, {"model.vision.freeze=true", "model.text.freeze=true"}},
+    // LoRA on the decoder (every linear, vision frozen) and on the vision tower (the text trains).
+    {"lora_text_dhp_2", 2, {"parallel.strategy=dhp"}, kLoraText},
+    {"lora_text_tp_4", 4, {"parallel.strategy=tp"}, kLoraText},
+    {"lora_text_zero3_2", 2, {"parallel.strategy=zero3"}, kLoraText},
+    {"lora_text_tp_zero1_2", 2, {"parallel.strategy=tp", "parallel.text.zero=1", "parallel.vision.zero=1"}, kLoraText},
+    {"lora_vision_sp2_tp2_disjoint_4", 4, kSp2TextTp2Disjoint, kLoraVision},
+    {"lora_vision_tp_2", 2, {"parallel.strategy=tp"}, kLoraVision},
+    {"lora_vision_zero3_dp_2", 2, {"parallel.strategy=custom", "parallel.vision.strategy=zero3",
+                                   "parallel.text.strategy=dp"}, kLoraVision},
+  };
+  return cases;
+}
+
 inline dhp::Config parity_config(const std::vector<std::string>& sets) {
   // Demo widths with 8 query / 4 kv heads so text tp=4 divides them; images 56..168 px.
   std::vector<std::string> base = {"data.batch_size=8", "training.micro_batches=2", "data.min_side=56",

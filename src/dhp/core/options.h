@@ -122,6 +122,19 @@ class Binder {
   std::vector<std::string> known_;
 };
 
+// Two options structs bound as one section, their keys side by side (e.g. a model part's
+// architecture and its fine-tuning settings under model.vision).
+template <class A, class B>
+struct Joined {
+  A& a;
+  B& b;
+  template <class V>
+  void visit(V& v) {
+    a.visit(v);
+    b.visit(v);
+  }
+};
+
 // Writes an options struct as YAML (the resolved config), with help as comments when asked.
 class Printer {
  public:

@@ -131,7 +131,6 @@ bool nccl_available() {
 #endif
 }
 
-Backend backend_for(const torch::Device& device) { return device.is_cuda() ? Backend::kNccl : Backend::kGloo; }
 
 Store make_hash_store() {
   return Store(std::make_shared<Store::Impl>(Store::Impl{c10::make_intrusive<c10d::HashStore>()}));
@@ -154,13 +153,17 @@ Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool
 
 Group::Group() = default;
 
+void Group::set_members(const std::string& name, std::vector<int64_t> ranks, int64_t global_rank) {
+  ranks_ = std::move(ranks);
+  name_ = name;
+  auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
+  DHP_CHECK(it != ranks_.end(), "group '", name, "': rank ", global_rank, " is not a member");
+  rank_ = static_cast<int64_t>(it - ranks_.begin());
+}
+
 Group Group::unconnected(const std::string& name, std::vector<int64_t> ranks, int64_t global_rank) {
   Group g;
-  g.ranks_ = std::move(ranks);
-  g.name_ = name;
-  auto it = std::find(g.ranks_.begin(), g.ranks_.end(), global_rank);
-  DHP_CHECK(it != g.ranks_.end(), "group '", name, "': rank ", global_rank, " is not a member");
-  g.rank_ = static_cast<int64_t>(it - g.ranks_.begin());
+  g.set_members(name, std::move(ranks), global_rank);
   return g;
 }
 
@@ -179,11 +182,8 @@ bool Group::alone(const char* what) const {
 }
 
 Group::Group(const Store& store, const std::string& name, std::vector<int64_t> ranks, int64_t global_rank,
-             std::chrono::milliseconds timeout, Backend backend, torch::Device device)
-    : ranks_(std::move(ranks)), name_(name) {
-  auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
-  DHP_CHECK(it != ranks_.end(), "group '", name, "': rank ", global_rank, " is not a member");
-  rank_ = static_cast<int64_t>(it - ranks_.begin());
+             std::chrono::milliseconds timeout, Backend backend, torch::Device device) {
+  set_members(name, std::move(ranks), global_rank);
   if (ranks_.size() == 1 && backend != Backend::kNccl) return;  // NCCL: connected even alone (a smoke test)
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dhp/" + name, store.impl()->store);
   impl_ = std::make_shared<Impl>();

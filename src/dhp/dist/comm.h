@@ -54,8 +54,6 @@ CommStats comm_stats();
 // Which c10d backend a Group runs on: Gloo (CPU tensors) or NCCL (CUDA tensors; only in a
 // build with DHP_WITH_NCCL, otherwise asking for it throws).
 enum class Backend { kGloo, kNccl };
-// The backend for tensors on `device`: NCCL for CUDA, Gloo otherwise.
-Backend backend_for(const torch::Device& device);
 // True when this build can create NCCL groups.
 bool nccl_available();
 
@@ -120,6 +118,8 @@ class Group {
  private:
   // True when there is nothing to communicate (a group of one); throws on an unconnected group.
   bool alone(const char* what) const;
+  // Sets the members and this rank's index among them (throws when `global_rank` is not one).
+  void set_members(const std::string& name, std::vector<int64_t> ranks, int64_t global_rank);
   struct Impl;
   std::shared_ptr<Impl> impl_;
   std::vector<int64_t> ranks_{0};

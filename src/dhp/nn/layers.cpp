@@ -1,6 +1,14 @@
 #include "dhp/nn/layers.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
+
+#include <atomic>
+#include <mutex>
+
+namespace {
+std::atomic<int64_t> g_random_layers{0};  // layers that draw random numbers in forward (LoRA dropout)
+}  // namespace
 
 namespace dhp::nn {
 
@@ -96,7 +104,39 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool with_bias) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  return torch::nn::functional::linear(x, weight, bias);
+  auto y = torch::nn::functional::linear(x, weight, bias);
+  return has_lora() ? y + lora_delta(x) : y;
+}
+
+namespace {
+// Holds one adapter matrix as its parameter "weight" (PEFT's lora_A.weight / lora_B.weight).
+struct LoraHolder : torch::nn::Module {};
+}  // namespace
+
+void LinearImpl::register_lora(torch::Tensor a, torch::Tensor b, double scale, double dropout, bool requires_grad) {
+  TORCH_CHECK(!has_lora(), "Linear: an adapter is there already");
+  auto ha = register_module("lora_A", std::make_shared<LoraHolder>());
+  auto hb = register_module("lora_B", std::make_shared<LoraHolder>());
+  lora_a = ha->register_parameter("weight", std::move(a), requires_grad);
+  lora_b = hb->register_parameter("weight", std::move(b), requires_grad);
+  lora_scale = scale;
+  lora_dropout = dropout;
+  if (dropout > 0) ++g_random_layers;  // recomputations replay the random state from now on
+}
+
+void LinearImpl::add_lora(const LoraOptions& o) {
+  TORCH_CHECK(o.rank > 0, "Linear::add_lora: rank must be > 0, got ", o.rank);
+  torch::NoGradGuard no_grad;
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  const auto opts = weight.options().requires_grad(false);
+  register_lora(torch::empty({o.rank, in}, opts).uniform_(-bound, bound), torch::zeros({out, o.rank}, opts),
+                o.alpha / static_cast<double>(o.rank), o.dropout, true);
+}
+
+torch::Tensor LinearImpl::lora_delta(const torch::Tensor& x) const {
+  auto in = lora_dropout > 0 && is_training() ? torch::dropout(x, lora_dropout, /*train=*/true) : x;
+  return torch::nn::functional::linear(torch::nn::functional::linear(in, lora_a), lora_b) * lora_scale;
 }
 
 Linear make_linear(int64_t in, int64_t out, bool bias) { return Linear(in, out, bias); }
@@ -135,6 +175,7 @@ namespace {
 
 struct FnHolder : torch::CustomClassHolder {
   std::function<torch::Tensor(const torch::Tensor&)> fn;
+  RngState rng;  // empty unless random ops are in use
 };
 
 struct CheckpointFn : public torch::autograd::Function<CheckpointFn> {
@@ -142,6 +183,7 @@ struct CheckpointFn : public torch::autograd::Function<CheckpointFn> {
                                c10::intrusive_ptr<FnHolder> holder) {
     ctx->save_for_backward({x});
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
+    if (random_ops_in_use()) holder->rng = RngState::save(x.device());
     torch::NoGradGuard no_grad;
     return holder->fn(x);
   }
@@ -152,7 +194,14 @@ struct CheckpointFn : public torch::autograd::Function<CheckpointFn> {
     torch::Tensor y;
     {
       torch::AutoGradMode enable(true);
-      y = holder->fn(x);
+      if (holder->rng.empty()) {
+        y = holder->fn(x);
+      } else {  // the first run's random numbers, then the generators as they were
+        const auto now = RngState::save(x.device());
+        holder->rng.restore();
+        y = holder->fn(x);
+        now.restore();
+      }
     }
     torch::autograd::backward({y}, {grads[0]});
     return {x.grad(), torch::Tensor()};
@@ -160,6 +209,43 @@ struct CheckpointFn : public torch::autograd::Function<CheckpointFn> {
 };
 
 }  // namespace
+
+bool random_ops_in_use() { return g_random_layers.load() > 0; }
+
+RngState RngState::save(const c10::Device& device) {
+  RngState s;
+  s.device = device;
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    s.cpu = gen.get_state();
+  }
+  if (device.is_cuda()) {
+    auto gen = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    s.cuda = gen.get_state();
+  }
+  return s;
+}
+
+void RngState::restore() const {
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(cpu);
+  }
+  if (cuda.defined()) {
+    auto gen = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(cuda);
+  }
+}
+
+bool has_trainable_parameters(const torch::nn::Module& m) {
+  for (const auto& p : m.parameters(/*recurse=*/true))
+    if (p.requires_grad()) return true;
+  return false;
+}
 
 torch::Tensor checkpoint(std::function<torch::Tensor(const torch::Tensor&)> fn,
                          const torch::Tensor& x) {

@@ -22,6 +22,8 @@ struct CheckpointPiece {
   int64_t begin = 0;            // first local element (row-major) that `data` holds
   torch::Tensor data;           // 1-D view of the elements, in the local dtype; loading writes through it
   bool write = false;           // this rank saves these elements (exactly one writer per element in a job)
+  bool frozen = false;          // a frozen parameter (fine-tuning): left out of checkpoints, which hold what
+                                // trains; it comes from model.from or the seed (loaded like any piece from an HF directory)
 };
 
 }  // namespace dhp::parallel

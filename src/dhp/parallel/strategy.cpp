@@ -22,18 +22,33 @@ void add_sq_norm(torch::Tensor& acc, const torch::Tensor& g) {
 // The sum (a 0-dim fp64 tensor; 0 on the CPU when nothing was added).
 torch::Tensor or_zero(const torch::Tensor& acc) { return acc.defined() ? acc : torch::zeros({}, torch::kFloat64); }
 
-// The elements of `params`, and of their optimizer state when there is one: the two
-// moments, and fp32 masters unless the parameters are fp32, each over `state_slice`
-// elements (ZeRO-1's slice; -1: as many as the parameters).
+// The elements of `params` (and of those that train), and of their optimizer state when
+// there is one: the two moments, and fp32 masters unless the parameters are fp32, each over
+// `state_slice` elements (ZeRO-1's slice; -1: as many as the trainable parameters).
 HeldElements held_by(const std::vector<optim::NamedParam>& params, bool optimizer, int64_t state_slice = -1) {
   HeldElements h;
   bool fp32 = true;
   for (const auto& p : params) {
     h.parameters += p.param.numel();
+    if (p.param.requires_grad()) h.trainable += p.param.numel();
     fp32 = fp32 && p.param.scalar_type() == torch::kFloat32;
   }
-  if (optimizer) h.optimizer_state = (fp32 ? 2 : 3) * (state_slice >= 0 ? state_slice : h.parameters);
+  if (optimizer) h.optimizer_state = (fp32 ? 2 : 3) * (state_slice >= 0 ? state_slice : h.trainable);
   return h;
+}
+
+// The parameters of `params` that train (requires_grad), and their indexes.
+std::vector<size_t> trainable_indexes(const std::vector<optim::NamedParam>& params) {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].param.requires_grad()) out.push_back(i);
+  return out;
+}
+template <class T>
+std::vector<T> pick(const std::vector<T>& all, const std::vector<size_t>& at) {
+  std::vector<T> out;
+  for (auto i : at) out.push_back(all[i]);
+  return out;
 }
 
 // Adds one piece per call; the piece's name is "<kind>/<parameter>".
@@ -43,8 +58,10 @@ struct PieceSink {
   const std::vector<int64_t>& shape;
   TpShard tp;
   int64_t tp_rank = 0, tp_size = 1;
+  bool frozen = false;
   void add(const char* kind, const torch::Tensor& data, int64_t begin, bool write) const {
     CheckpointPiece c;
+    c.frozen = frozen;
     c.name = std::string(kind) + "/" + param;
     c.shape = shape;
     c.tp = tp;
@@ -68,18 +85,24 @@ class ReplicatedStrategy : public ModuleStrategy {
     parallelize(target);
     const int64_t tp_coord = groups_.tp.rank();
     for (auto& p : target.parameters()) {
-      const bool once_over_tp = tp_map_.count(p.name) || tp_coord == 0;  // TP shards count on every TP rank
+      const auto it = tp_map_.find(p.name);
+      const bool sharded = it != tp_map_.end() && it->second.dim >= 0;
+      const bool once_over_tp = sharded || tp_coord == 0;  // TP shards count on every TP rank
+      if (it != tp_map_.end() && it->second.partial_grad && p.param.requires_grad()) tp_partial_.push_back(p.param);
       params_.push_back(std::move(p));
       once_over_tp_.push_back(once_over_tp);
       in_norm_.push_back(groups_.data.rank() == 0 && once_over_tp);
     }
+    trained_ = trainable_indexes(params_);
   }
 
   void make_optimizer(const optim::AdamWOptions& o) override {
+    if (trained_.empty()) return;  // all frozen: nothing to update
+    const auto params = pick(params_, trained_);
     // Elements of a ZeRO-1 slice are unique over the data group, so its slicing replaces
     // in_norm's data-rank condition.
-    if (layout_.zero == 1) zero1_ = std::make_unique<Zero1AdamW>(params_, o, groups_.data, once_over_tp_);
-    else adam_ = std::make_unique<optim::AdamW>(params_, o);
+    if (layout_.zero == 1) zero1_ = std::make_unique<Zero1AdamW>(params, o, groups_.data, pick(once_over_tp_, trained_));
+    else adam_ = std::make_unique<optim::AdamW>(params, o);
   }
 
   void zero_grad() override {
@@ -88,23 +111,30 @@ class ReplicatedStrategy : public ModuleStrategy {
   }
 
   torch::Tensor reduce_gradients() override {
+    if (!tp_partial_.empty() && groups_.tp.size() > 1) {
+      // Replicated halves of adapters beside sharded weights: each TP rank holds a partial sum.
+      for (auto& p : tp_partial_)
+        if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      all_reduce_grads(tp_partial_, groups_.tp);
+    }
     if (zero1_) {  // reduce-scattered into the optimizer's slices: no full gradient is summed
       zero1_->reduce_gradients();
       memory_mark("gradients reduced");
       return zero1_->grad_sq_norm();
     }
-    if (groups_.data.size() > 1) {
+    if (groups_.data.size() > 1 && !trained_.empty()) {
       // Every member must reduce the same tensors: a parameter unused here is a zero gradient.
       std::vector<torch::Tensor> ps;
-      for (auto& p : params_) {
-        if (!p.param.grad().defined()) p.param.mutable_grad() = torch::zeros_like(p.param);
-        ps.push_back(p.param);
+      for (auto i : trained_) {
+        auto& p = params_[i].param;
+        if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+        ps.push_back(p);
       }
       all_reduce_grads(ps, groups_.data);
       memory_mark("gradients reduced");
     }
     torch::Tensor sq;
-    for (size_t i = 0; i < params_.size(); ++i) {
+    for (auto i : trained_) {
       const auto& g = params_[i].param.grad();
       if (in_norm_[i] && g.defined()) add_sq_norm(sq, g);
     }
@@ -116,13 +146,13 @@ class ReplicatedStrategy : public ModuleStrategy {
       zero1_->scale_gradients(factor);
       return;
     }
-    for (auto& p : params_)
-      if (p.param.grad().defined()) p.param.grad().mul_(factor);
+    for (auto i : trained_)
+      if (params_[i].param.grad().defined()) params_[i].param.grad().mul_(factor);
   }
 
   void step(double lr) override {
     if (zero1_) zero1_->step(lr);
-    else adam_->step(lr);
+    else if (adam_) adam_->step(lr);
   }
 
   void set_step_count(int64_t n) override {
@@ -142,15 +172,24 @@ class ReplicatedStrategy : public ModuleStrategy {
   std::vector<CheckpointPiece> checkpoint_pieces(const ShapeMap& full_shapes) override {
     std::vector<CheckpointPiece> out;
     const bool data_first = groups_.data.rank() == 0;
-    int64_t flat_at = 0;  // ZeRO-1: where parameter i starts in the flat vector
+    int64_t flat_at = 0;  // ZeRO-1: where parameter i starts in the flat vector (of the trained ones)
+    size_t k = 0;         // parameter i's index among the trained ones (the optimizer's)
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i];
       const auto it = tp_map_.find(p.name);
-      const PieceSink sink{out, p.name, full_shapes.at(p.name), it == tp_map_.end() ? TpShard{} : it->second,
-                           groups_.tp.rank(), groups_.tp.size()};
+      const bool frozen = !p.param.requires_grad();
+      const PieceSink sink{out,
+                           p.name,
+                           full_shapes.at(p.name),
+                           it == tp_map_.end() || it->second.dim < 0 ? TpShard{} : it->second,
+                           groups_.tp.rank(),
+                           groups_.tp.size(),
+                           frozen};
       const bool tp_unique = once_over_tp_[i];  // one TP rank writes a replicated parameter
       const bool fp32 = p.param.scalar_type() == torch::kFloat32;
       sink.add("param", p.param.detach().view({-1}), 0, data_first && tp_unique);
+      if (frozen) continue;  // no optimizer state
+      const size_t st_k = k++;
       if (zero1_) {
         const auto& z = *zero1_;
         const int64_t numel = p.param.numel(), lo = z.slice_begin(), hi = lo + z.state_numel();
@@ -163,7 +202,7 @@ class ReplicatedStrategy : public ModuleStrategy {
         sink.add("exp_avg", z.exp_avg().narrow(0, b - lo, e - b), begin, tp_unique);
         sink.add("exp_avg_sq", z.exp_avg_sq().narrow(0, b - lo, e - b), begin, tp_unique);
       } else if (adam_) {
-        const auto& st = adam_->state()[i];
+        const auto& st = adam_->state()[st_k];
         if (!fp32) sink.add("master", st.master.view({-1}), 0, data_first && tp_unique);
         sink.add("exp_avg", st.exp_avg.view({-1}), 0, data_first && tp_unique);
         sink.add("exp_avg_sq", st.exp_avg_sq.view({-1}), 0, data_first && tp_unique);
@@ -176,7 +215,11 @@ class ReplicatedStrategy : public ModuleStrategy {
     return held_by(params_, adam_ || zero1_, zero1_ ? zero1_->state_numel() : -1);
   }
 
-  bool whole_parameters() const override { return tp_map_.empty(); }
+  bool whole_parameters() const override {
+    for (const auto& [name, how] : tp_map_)
+      if (how.dim >= 0) return false;
+    return true;
+  }
 
  protected:
   // What the strategy does to the module before its parameters are taken.
@@ -184,8 +227,10 @@ class ReplicatedStrategy : public ModuleStrategy {
   TpShardMap tp_map_;
 
  private:
-  std::vector<optim::NamedParam> params_;  // what the optimizer updates on this rank
+  std::vector<optim::NamedParam> params_;  // the module's parameters on this rank
+  std::vector<size_t> trained_;            // those that train (the optimizer's, in order)
   std::vector<bool> once_over_tp_;         // counted on one rank of its TP group (TP shards: on each)
+  std::vector<torch::Tensor> tp_partial_;  // replicated over TP with partial gradients (TpShard::partial_grad)
   std::vector<bool> in_norm_;              // counted once in the global gradient norm
   std::unique_ptr<optim::AdamW> adam_;
   std::unique_ptr<Zero1AdamW> zero1_;
@@ -221,11 +266,15 @@ class FullyShardedStrategy : public ModuleStrategy {
     params_ = zero3_->shards();
   }
 
-  void make_optimizer(const optim::AdamWOptions& o) override { adam_ = std::make_unique<optim::AdamW>(params_, o); }
+  void make_optimizer(const optim::AdamWOptions& o) override {
+    const auto trained = trainable_indexes(params_);
+    if (!trained.empty()) adam_ = std::make_unique<optim::AdamW>(pick(params_, trained), o);
+  }
   void zero_grad() override {
     if (adam_) adam_->zero_grad();
   }
 
+  // Frozen slices never get a gradient (Zero3 reduce-scatters the trainable ones only).
   torch::Tensor reduce_gradients() override {
     torch::Tensor sq;  // every slice element is unique over the job
     for (const auto& p : params_)
@@ -238,7 +287,9 @@ class FullyShardedStrategy : public ModuleStrategy {
       if (p.param.grad().defined()) p.param.grad().mul_(factor);
   }
 
-  void step(double lr) override { adam_->step(lr); }
+  void step(double lr) override {
+    if (adam_) adam_->step(lr);
+  }
   void set_step_count(int64_t n) override {
     if (adam_) adam_->set_step_count(n);
   }
@@ -246,16 +297,18 @@ class FullyShardedStrategy : public ModuleStrategy {
 
   std::vector<CheckpointPiece> checkpoint_pieces(const ShapeMap& full_shapes) override {
     std::vector<CheckpointPiece> out;
+    size_t k = 0;  // index among the trained slices (the optimizer's)
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i];
       const auto& shape = full_shapes.at(p.name);
-      const PieceSink sink{out, p.name, shape, TpShard{}, 0, 1};
+      const bool frozen = !p.param.requires_grad();
+      const PieceSink sink{out, p.name, shape, TpShard{}, 0, 1, frozen};
       // The slice holds elements [rank * chunk, +chunk) of the flattened parameter, padded.
       const int64_t chunk = p.param.numel(), total = c10::multiply_integers(shape);
       const int64_t lo = std::min(total, groups_.dp.rank() * chunk), n = std::min(total, lo + chunk) - lo;
       sink.add("param", p.param.detach().narrow(0, 0, n), lo, true);
-      if (!adam_) continue;
-      const auto& st = adam_->state()[i];
+      if (!adam_ || frozen) continue;
+      const auto& st = adam_->state()[k++];
       if (p.param.scalar_type() != torch::kFloat32) sink.add("master", st.master.narrow(0, 0, n), lo, true);
       sink.add("exp_avg", st.exp_avg.narrow(0, 0, n), lo, true);
       sink.add("exp_avg_sq", st.exp_avg_sq.narrow(0, 0, n), lo, true);

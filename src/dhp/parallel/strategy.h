@@ -62,7 +62,8 @@ class ModuleTarget {
 // What a strategy holds on this rank, in elements (parameter accounting).
 struct HeldElements {
   int64_t parameters = 0;       // parameter elements (a TP shard, a ZeRO-3 slice, or all)
-  int64_t optimizer_state = 0;  // fp32 masters (non-fp32 models only) and the two moments
+  int64_t trainable = 0;        // those of them that train (requires_grad; fine-tuning freezes the others)
+  int64_t optimizer_state = 0;  // fp32 masters (non-fp32 models only) and the two moments, of trainable ones
 };
 
 class ModuleStrategy {
@@ -72,7 +73,10 @@ class ModuleStrategy {
   const dist::ModuleLayout& layout() const { return layout_; }
 
   // Applies the strategy to `target` (once, on every rank of the module; collective) and
-  // takes the parameters this rank updates. `target` must outlive the strategy.
+  // takes the parameters this rank holds. `target` must outlive the strategy. Parameters
+  // that do not require gradients (frozen: qwen::apply_freezing, the same on every rank) are
+  // held and gathered like the others but get no gradient reduction, no share of the norm,
+  // no optimizer state, and no checkpoint piece that is saved (CheckpointPiece::frozen).
   virtual void apply(ModuleTarget& target) = 0;
   // Builds the optimizer state over those parameters (ranks that train).
   virtual void make_optimizer(const optim::AdamWOptions& options) = 0;

@@ -42,22 +42,42 @@ torch::Tensor unshard(const torch::Tensor& shard, const TpShard& how, const dist
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group g, int64_t p)
     : group(std::move(g)), parts(p) {
-  weight = register_parameter("weight", shard_of_parts(full.weight, 0, parts, group, "ColumnParallelLinear weight"));
+  // A frozen layer's shards stay frozen (requires_grad carried over).
+  weight = register_parameter("weight", shard_of_parts(full.weight, 0, parts, group, "ColumnParallelLinear weight"),
+                              full.weight.requires_grad());
   if (full.bias.defined())
-    bias = register_parameter("bias", shard_of_parts(full.bias, 0, parts, group, "ColumnParallelLinear bias"));
+    bias = register_parameter("bias", shard_of_parts(full.bias, 0, parts, group, "ColumnParallelLinear bias"),
+                              full.bias.requires_grad());
+  // An adapter follows its weight: B split by output rows like it, A whole on every rank.
+  if (full.has_lora()) {
+    register_lora(full.lora_a.detach().clone(),
+                  shard_of_parts(full.lora_b, 0, parts, group, "ColumnParallelLinear lora_B"), full.lora_scale,
+                  full.lora_dropout, full.lora_a.requires_grad());
+  }
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  return torch::nn::functional::linear(copy_to_group(x, group), weight, bias);
+  const auto xc = copy_to_group(x, group);
+  auto y = torch::nn::functional::linear(xc, weight, bias);
+  return has_lora() ? y + lora_delta(xc) : y;  // this rank's output columns of the adapter too
 }
 
 RowParallelLinearImpl::RowParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group g) : group(std::move(g)) {
-  weight = register_parameter("weight", shard_of(full.weight, 1, group, "RowParallelLinear weight"));
-  if (full.bias.defined()) bias = register_parameter("bias", full.bias.detach().clone());
+  weight = register_parameter("weight", shard_of(full.weight, 1, group, "RowParallelLinear weight"),
+                              full.weight.requires_grad());
+  if (full.bias.defined()) bias = register_parameter("bias", full.bias.detach().clone(), full.bias.requires_grad());
+  // An adapter follows its weight: A split by input columns like it, B whole on every rank.
+  if (full.has_lora()) {
+    register_lora(shard_of(full.lora_a, 1, group, "RowParallelLinear lora_A"), full.lora_b.detach().clone(),
+                  full.lora_scale, full.lora_dropout, full.lora_a.requires_grad());
+  }
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x_shard) {
-  auto y = reduce_from_group(torch::matmul(x_shard, weight.t()), group);
+  // The adapter's term is linear in the input shards too: summed by the same all-reduce.
+  auto partial = torch::matmul(x_shard, weight.t());
+  if (has_lora()) partial = partial + lora_delta(x_shard);
+  auto y = reduce_from_group(partial, group);
   return bias.defined() ? y + bias : y;
 }
 
@@ -68,6 +88,10 @@ void make_column_parallel(TpShardMap& map, const std::string& prefix, torch::nn:
   member = dhp::nn::Linear(std::static_pointer_cast<dhp::nn::LinearImpl>(p));
   map[prefix + name + ".weight"] = {0, parts};
   if (p->bias.defined()) map[prefix + name + ".bias"] = {0, parts};
+  if (p->has_lora()) {
+    map[prefix + name + ".lora_B.weight"] = {0, parts};
+    map[prefix + name + ".lora_A.weight"] = {-1, 1, /*partial_grad=*/true};
+  }
 }
 
 void make_row_parallel(TpShardMap& map, const std::string& prefix, torch::nn::Module& parent, const std::string& name,
@@ -76,6 +100,10 @@ void make_row_parallel(TpShardMap& map, const std::string& prefix, torch::nn::Mo
   parent.replace_module(name, p);
   member = dhp::nn::Linear(std::static_pointer_cast<dhp::nn::LinearImpl>(p));
   map[prefix + name + ".weight"] = {1, 1};
+  if (p->has_lora()) {
+    map[prefix + name + ".lora_A.weight"] = {1, 1};
+    map[prefix + name + ".lora_B.weight"] = {-1, 1, /*partial_grad=*/true};
+  }
 }
 
 void make_swiglu_parallel(TpShardMap& map, const std::string& prefix, dhp::nn::SwiGLUImpl& mlp, const dist::Group& g) {

@@ -24,7 +24,8 @@ class ColumnParallelLinearImpl : public dhp::nn::LinearImpl {
  public:
   // weight, bias: shards; bias undefined when the full layer has none. `parts` > 1: the
   // output is `parts` stacked blocks (a fused qkv: parts = 3) and each block is split, so
-  // rank r holds rows r of q, of k and of v.
+  // rank r holds rows r of q, of k and of v. A LoRA adapter: B cut like the weight, A whole
+  // (its gradient is partial per rank: TpShard::partial_grad).
   ColumnParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group group, int64_t parts = 1);
   torch::Tensor forward(const torch::Tensor& x) override;
   dist::Group group;
@@ -34,7 +35,9 @@ TORCH_MODULE(ColumnParallelLinear);
 
 class RowParallelLinearImpl : public dhp::nn::LinearImpl {
  public:
-  // weight: shard; bias: full (added once, after the reduction).
+  // weight: shard; bias: full (added once, after the reduction). A LoRA adapter: A cut like
+  // the weight (input columns), B whole (its gradient is partial per rank), its term summed
+  // by the layer's own all-reduce.
   RowParallelLinearImpl(const dhp::nn::LinearImpl& full, dist::Group group);
   torch::Tensor forward(const torch::Tensor& x_shard) override;
   dist::Group group;
@@ -53,6 +56,10 @@ torch::Tensor shard_of_parts(const torch::Tensor& full, int64_t dim, int64_t par
 struct TpShard {
   int64_t dim = -1;
   int64_t parts = 1;
+  // Replicated (dim -1), but each rank's gradient is a partial sum over the TP group (a LoRA
+  // adapter's whole half beside a sharded weight: A of a column-parallel layer, B of a
+  // row-parallel one): the strategy sums it over the TP group before the step.
+  bool partial_grad = false;
 };
 // The full tensor from every rank's shard (all-gather over `group`), on every rank.
 torch::Tensor unshard(const torch::Tensor& shard, const TpShard& how, const dist::Group& group);

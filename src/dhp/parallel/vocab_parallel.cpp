@@ -64,7 +64,8 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(const nn::EmbeddingImpl& 
     : group(std::move(g)) {
   vocab_start = group.rank() * (full.weight.size(0) / group.size());
   torch::NoGradGuard no_grad;
-  weight = register_parameter("weight", shard_of(full.weight.detach(), 0, group, "vocab-parallel embed_tokens"));
+  weight = register_parameter("weight", shard_of(full.weight.detach(), 0, group, "vocab-parallel embed_tokens"),
+                              full.weight.requires_grad());
 }
 
 torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& ids) {

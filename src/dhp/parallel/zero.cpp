@@ -42,8 +42,9 @@ Zero1AdamW::Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOption
     return torch::cat({torch::cat(parts), torch::zeros({padded_ - total_}, on)}).narrow(0, lo_, n_).clone();
   };
   master_ = pad(flat);
-  decay_ = pad(decay);
-  if (!uniform) {
+  if (uniform) {
+    decay_ = pad(decay);  // the 0/1 mask of the shared decay
+  } else {
     lr_scale_ = pad(lr_scale);
     weight_decay_ = pad(weight_decay);
   }

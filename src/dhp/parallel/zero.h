@@ -52,10 +52,12 @@ class Zero1AdamW {
   dist::Group group_;
   torch::ScalarType dtype_ = torch::kFloat32;  // the parameters' (common) dtype, else fp32
   int64_t total_ = 0, padded_ = 0, lo_ = 0, n_ = 0;
-  torch::Tensor master_, exp_avg_, exp_avg_sq_, decay_;  // (n_) fp32, this rank's slice
-  // (n_) fp32 per-element lr scale and weight decay; only where options.groups give some
-  // parameter other settings than the defaults (undefined otherwise: the scalar update).
-  torch::Tensor lr_scale_, weight_decay_;
+  torch::Tensor master_, exp_avg_, exp_avg_sq_;  // (n_) fp32, this rank's slice
+  // Weight decay per element, one of two ways: with every parameter on the defaults, decay_
+  // (the 0/1 mask of options.weight_decay; lr_scale_ and weight_decay_ undefined); otherwise
+  // (options.groups give some parameter other settings) lr_scale_ and weight_decay_, the
+  // per-element scale and decay (decay_ undefined).
+  torch::Tensor decay_, lr_scale_, weight_decay_;
   std::vector<std::pair<int64_t, int64_t>> norm_ranges_;  // [begin, end) of the slice counted in the norm
   torch::Tensor grad_;  // (n_) fp32 summed gradients of the slice; undefined until reduced
   int64_t step_ = 0;

@@ -15,6 +15,7 @@ struct StageHolder : torch::CustomClassHolder {
   Zero3* zero = nullptr;
   std::string unit;
   nn::StageFn fn;
+  nn::RngState rng;  // the forward's random state, replayed by the recomputation (LoRA dropout)
 };
 
 }  // namespace
@@ -25,6 +26,7 @@ struct Zero3Stage : torch::autograd::Function<Zero3Stage> {
     ctx->save_for_backward({x});
     ctx->saved_data["holder"] = c10::IValue::make_capsule(h);
     const auto& u = h->zero->units_.at(h->unit);
+    if (nn::random_ops_in_use()) h->rng = nn::RngState::save(x.device());
     torch::NoGradGuard no_grad;
     h->zero->gather(u);
     torch::Tensor y;
@@ -48,21 +50,29 @@ struct Zero3Stage : torch::autograd::Function<Zero3Stage> {
     z.gather(u);
     std::vector<torch::Tensor> inputs;
     if (x_grad) inputs.push_back(x);
-    for (auto i : u.params) inputs.push_back(z.params_[i].param);
+    const auto trained = z.trained(u);  // frozen parameters: no gradient, no reduce-scatter
+    for (auto i : trained) inputs.push_back(z.params_[i].param);
     variable_list g;
-    {
+    if (!inputs.empty()) {
       torch::AutoGradMode enable(true);
+      nn::RngState now;
+      if (!h->rng.empty()) {
+        now = nn::RngState::save(x.device());
+        h->rng.restore();
+      }
       auto y = h->fn(x);
+      if (!now.empty()) now.restore();
       g = torch::autograd::grad({y}, inputs, {grads[0]}, /*retain_graph=*/false, /*create_graph=*/false,
                                 /*allow_unused=*/true);
     }
     std::vector<torch::Tensor> param_grads(g.begin() + (x_grad ? 1 : 0), g.end());
-    auto slices = z.reduce_scatter(u, param_grads);
+    auto slices = z.reduce_scatter(trained, param_grads);
     param_grads.clear();
     z.release(u);
     variable_list out;
     out.push_back(x_grad ? g[0] : torch::Tensor());
-    for (auto& s : slices) out.push_back(s);
+    size_t k = 0;
+    for (auto i : u.params) out.push_back(z.params_[i].trainable ? slices[k++] : torch::Tensor());
     out.push_back(torch::Tensor());  // holder
     return out;
   }
@@ -91,7 +101,8 @@ Zero3::Zero3(const std::vector<optim::NamedParam>& params, const std::vector<std
     p.chunk = (p.numel + ws - 1) / ws;
     auto flat = torch::zeros({p.chunk * ws}, p.param.options());
     flat.narrow(0, 0, p.numel).copy_(p.param.reshape({-1}));
-    p.shard = flat.narrow(0, group_.rank() * p.chunk, p.chunk).clone().requires_grad_(true);
+    p.trainable = np.param.requires_grad();  // frozen (fine-tuning): a slice without gradient or state
+    p.shard = flat.narrow(0, group_.rank() * p.chunk, p.chunk).clone().requires_grad_(p.trainable);
     auto& unit = units_[best];
     unit.params.push_back(params_.size());
     unit.width += p.chunk;
@@ -120,12 +131,21 @@ void Zero3::release(const Unit& u) {
   for (auto i : u.params) params_[i].param.set_data(torch::empty({0}, params_[i].param.options()));
 }
 
-std::vector<torch::Tensor> Zero3::reduce_scatter(const Unit& u, const std::vector<torch::Tensor>& grads) const {
+std::vector<size_t> Zero3::trained(const Unit& u) const {
+  std::vector<size_t> out;
+  for (auto i : u.params)
+    if (params_[i].trainable) out.push_back(i);
+  return out;
+}
+
+std::vector<torch::Tensor> Zero3::reduce_scatter(const std::vector<size_t>& params,
+                                                 const std::vector<torch::Tensor>& grads) const {
   torch::NoGradGuard no_grad;
+  if (params.empty()) return {};  // a frozen unit: nothing to reduce (the same on every rank)
   const int64_t ws = group_.size();
   std::vector<torch::Tensor> rows;  // each (ws, chunk): row j goes to rank j
-  for (size_t k = 0; k < u.params.size(); ++k) {
-    const auto& p = params_[u.params[k]];
+  for (size_t k = 0; k < params.size(); ++k) {
+    const auto& p = params_[params[k]];
     auto flat = torch::zeros({p.chunk * ws}, p.shard.options().requires_grad(false));
     if (grads[k].defined()) flat.narrow(0, 0, p.numel).copy_(grads[k].reshape({-1}));
     rows.push_back(flat.view({ws, p.chunk}));
@@ -135,7 +155,7 @@ std::vector<torch::Tensor> Zero3::reduce_scatter(const Unit& u, const std::vecto
   auto recv = group_.all_to_all(send, ones, ones).sum(0);  // (width): my slice, summed over ranks
   std::vector<torch::Tensor> out;
   int64_t off = 0;
-  for (auto i : u.params) {
+  for (auto i : params) {
     out.push_back(recv.narrow(0, off, params_[i].chunk).clone());
     off += params_[i].chunk;
   }

@@ -11,6 +11,8 @@
 //             group, each rank receives its slice) into the slices' .grad, free everything.
 // So activations are recomputed per stage (ZeRO-3 implies checkpointing here) and at most
 // one unit's full parameters and gradients are alive at a time.
+// Parameters that do not require grad when sharded (frozen) keep slices without gradient:
+// gathered for the forward, left out of the backward's reduce-scatter.
 // Every rank of the group must run the same stages in the same order (collectives); each
 // rank feeds its own data (data parallelism), and the slice gradients are the sums over the
 // group, so no further gradient reduction is needed.
@@ -55,6 +57,7 @@ class Zero3 {
     std::vector<int64_t> shape;
     int64_t numel = 0, chunk = 0;
     bool decay = false;
+    bool trainable = true;  // false: frozen (the parameter did not require grad when sharded)
   };
   struct Unit {
     std::vector<size_t> params;
@@ -62,8 +65,9 @@ class Zero3 {
   };
   void gather(const Unit& u);
   void release(const Unit& u);
-  // Full gradients of the unit's parameters (undefined = zero) -> this rank's slice sums.
-  std::vector<torch::Tensor> reduce_scatter(const Unit& u, const std::vector<torch::Tensor>& grads) const;
+  std::vector<size_t> trained(const Unit& u) const;  // the unit's trainable parameters
+  // Full gradients of `params` (undefined = zero) -> this rank's slice sums. Collective.
+  std::vector<torch::Tensor> reduce_scatter(const std::vector<size_t>& params, const std::vector<torch::Tensor>& grads) const;
   friend struct Zero3Stage;
 
   std::vector<Param> params_;

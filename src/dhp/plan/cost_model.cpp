@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <set>
 #include <sstream>
 
@@ -83,24 +84,31 @@ double elementwise_seconds(const Cluster& c, double bytes, double kernels) {
 }
 
 // Work of one module on one of its ranks, accumulated per micro-batch.
+// How much backward a layer runs (fine-tuning): none (frozen, and nothing before it trains),
+// its input's gradient only (frozen), or input and weight gradients (trains).
+enum Backward { kNoBackward = 0, kInputGrad = 1, kFullBackward = 2 };
+
 struct Tally {
   const Cluster& c;
   const std::string& precision;
   ModuleCost& cost;
-  double passes_gemm;  // forward + backward (2x) + recompute
-  double passes_fwd;   // forward passes (1 + recompute)
+  bool recompute;                 // activation checkpointing: the forward again before the backward
+  Backward backward = kFullBackward;  // of the layers tallied next
+  double passes_gemm() const { return 1 + (backward != kNoBackward && recompute ? 1 : 0) + backward; }
+  double passes_fwd() const { return 1 + (backward != kNoBackward && recompute ? 1 : 0); }
   void gemm(double m, double n, double k) {
     if (m <= 0 || n <= 0 || k <= 0) return;
-    cost.gemm_s += passes_gemm * gemm_seconds(c, precision, m, n, k);
+    cost.gemm_s += passes_gemm() * gemm_seconds(c, precision, m, n, k);
   }
   // Element-wise bytes of one forward pass; backward moves twice as much.
   void elementwise(double bytes, double kernels) {
-    cost.elementwise_s += (passes_fwd + 2) * elementwise_seconds(c, bytes, kernels);
+    cost.elementwise_s += (passes_fwd() + (backward != kNoBackward ? 2 : 0)) * elementwise_seconds(c, bytes, kernels);
   }
   // Forward FLOPs of segments of `segment` tokens (the kernel's rate depends on it).
   void attention(double flops_fwd, double segment) {
     const double s = flops_fwd / attention_rate(c, precision, segment);
-    cost.attention_s += passes_fwd * s + 2.5 * s;  // FA2 backward: 2.5x the forward's matmul work
+    // FA2 backward: 2.5x the forward's matmul work
+    cost.attention_s += passes_fwd() * s + (backward != kNoBackward ? 2.5 * s : 0.0);
   }
   void collective(double seconds, double bytes, int64_t calls) {
     cost.comm_s += seconds;
@@ -132,22 +140,43 @@ double all_reduce_elem_bytes(const Cluster& c, double b) { return c.half_all_red
 
 // Model states per rank of a module with `params` parameters (of which `sharded` follow the
 // tensor-parallel split), by strategy.
-double module_state_bytes(const Conventions& cv, const ModuleStrategy& s, double params, const std::string& precision) {
+// `trainable` of them train; the frozen rest is parameters alone (no gradient, no optimizer
+// state), split like the parameters (tensor-parallel shards, ZeRO-3 slices).
+double module_state_bytes(const Conventions& cv, const ModuleStrategy& s, double params, double trainable,
+                          const std::string& precision) {
   Conventions v = cv;
   if (precision == "fp32") {  // fp32 training: the parameter is its own master
     v.param_bytes = 4;
     v.grad_bytes = 4;
     v.optim_bytes = 8;
   }
-  if (s.kind == S::kTensorParallel) return params / static_cast<double>(s.degree) * state_bytes_per_param(v, s.dp > 1 ? 1 : 0, s.dp);
-  if (s.kind == S::kSequenceParallel) return params * state_bytes_per_param(v, 1, s.ranks());
-  if (s.kind == S::kZero3) return params * state_bytes_per_param(v, 3, s.ranks());
-  return params * state_bytes_per_param(v, 0, 1);
+  const double frozen = params - trainable;
+  if (s.kind == S::kTensorParallel)
+    return (trainable * state_bytes_per_param(v, s.dp > 1 ? 1 : 0, s.dp) + frozen * v.param_bytes) /
+           static_cast<double>(s.degree);
+  if (s.kind == S::kSequenceParallel) return trainable * state_bytes_per_param(v, 1, s.ranks()) + frozen * v.param_bytes;
+  if (s.kind == S::kZero3)
+    return trainable * state_bytes_per_param(v, 3, s.ranks()) + frozen * v.param_bytes / static_cast<double>(s.ranks());
+  return trainable * state_bytes_per_param(v, 0, 1) + frozen * v.param_bytes;
+}
+
+// Per layer of a tower of `layers`, how much backward it runs: `trains(l)` says whether its
+// weights train; `below` whether anything before the first layer needs a gradient.
+std::vector<Backward> backward_of_layers(int64_t layers, bool below, const std::function<bool(int64_t)>& trains) {
+  std::vector<Backward> out;
+  bool needed = below;
+  for (int64_t l = 0; l < layers; ++l) {
+    const bool t = trains(l);
+    out.push_back(t ? kFullBackward : needed ? kInputGrad : kNoBackward);
+    needed = needed || t;
+  }
+  return out;
 }
 
 // Optimizer step: memory-bound over the parameters this rank updates (read gradient, master,
 // moments; write master, moments, parameter).
 double optimizer_seconds(const Cluster& c, const Conventions& cv, double params_updated) {
+  if (params_updated <= 0) return 0;  // all frozen: no step at all
   if (c.optimizer_s_per_param > 0) return params_updated * c.optimizer_s_per_param;  // measured (local)
   const double bytes = params_updated * (cv.grad_bytes + 2 * cv.optim_bytes + cv.param_bytes);
   return elementwise_seconds(c, bytes, 8);
@@ -180,6 +209,8 @@ void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, doub
 // for forward, recomputation (checkpointing) and backward, gradients reduce-scattered. dhp
 // (Conventions::zero3_units): gathered for forward and backward, gradients reduce-scattered
 // by an all-to-all, plus the local copies around them.
+// With tl.backward: a unit without backward is gathered once; a frozen one's gradients are
+// not reduced.
 void zero3_unit_collectives(Tally& tl, const Cluster& c, const Conventions& cv, const ModuleStrategy& s,
                             double unit_params, double units, double gbytes, bool checkpointing) {
   const int64_t n = s.ranks();
@@ -187,16 +218,19 @@ void zero3_unit_collectives(Tally& tl, const Cluster& c, const Conventions& cv, 
   const Link& l = link_for(c, n);
   const double b = unit_params * gbytes;
   const double frac = static_cast<double>(n - 1) / static_cast<double>(n);
+  const double reduces = tl.backward == kFullBackward ? 1 : 0;
   if (cv.zero3_units) {
-    tl.collective(units * (2 * all_gather_seconds(l, n, b) + all_to_all_seconds(l, n, b)), units * 3 * b * frac,
-                  static_cast<int64_t>(units * 3));
-    tl.cost.elementwise_s += units * (c.zero3_unit_s_per_byte > 0 ? b * c.zero3_unit_s_per_byte
-                                                                  : elementwise_seconds(c, cv.zero3_copy_passes * b, 8));
+    const double gathers = tl.backward == kNoBackward ? 1 : 2;
+    tl.collective(units * (gathers * all_gather_seconds(l, n, b) + reduces * all_to_all_seconds(l, n, b)),
+                  units * (gathers + reduces) * b * frac, static_cast<int64_t>(units * (gathers + reduces)));
+    if (reduces > 0)
+      tl.cost.elementwise_s += units * (c.zero3_unit_s_per_byte > 0 ? b * c.zero3_unit_s_per_byte
+                                                                    : elementwise_seconds(c, cv.zero3_copy_passes * b, 8));
     return;
   }
-  const double gathers = checkpointing ? 3 : 2;
-  tl.collective(units * (gathers + 1) * all_gather_seconds(l, n, b), units * (gathers + 1) * b * frac,
-                static_cast<int64_t>(units * (gathers + 1)));
+  const double gathers = tl.backward == kNoBackward ? 1 : checkpointing ? 3 : 2;
+  tl.collective(units * (gathers + reduces) * all_gather_seconds(l, n, b), units * (gathers + reduces) * b * frac,
+                static_cast<int64_t>(units * (gathers + reduces)));
 }
 
 // Waiting at the module's collectives for the slowest rank: each call after the module's
@@ -373,7 +407,22 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   const double t = static_cast<double>(sh.t);
   // dhp's ZeRO-3 recomputes every unit in backward, checkpointing or not.
   const bool recompute = w.checkpointing || (s.kind == S::kZero3 && cv.zero3_units);
-  Tally tl{c, w.precision, cost, recompute ? 4.0 : 3.0, recompute ? 2.0 : 1.0};
+  Tally tl{c, w.precision, cost, recompute};
+  // Fine-tuning: what of the tower runs backward.
+  const auto& fz = w.freezing;
+  const Backward patch_bwd = fz.trainable("visual.patch_embed.proj.weight", model) ? kFullBackward : kNoBackward;
+  // LoRA's adapters in a part: every layer there runs a backward (the adapters' gradients).
+  auto adapted = [&](const char* part) {
+    return w.lora.on() && std::find(w.lora.modules.begin(), w.lora.modules.end(), part) != w.lora.modules.end();
+  };
+  const auto block_bwd = backward_of_layers(v.depth, patch_bwd != kNoBackward || adapted("vision"), [&](int64_t l) {
+    return fz.trainable("visual.blocks." + std::to_string(l) + ".attn.qkv.weight", model);
+  });
+  int64_t blocks_bwd = 0;  // blocks that keep activations for a backward
+  for (auto m : block_bwd) blocks_bwd += m != kNoBackward ? 1 : 0;
+  const Backward merger_bwd = fz.trainable("visual.merger.mlp.0.weight", model) ? kFullBackward
+                              : blocks_bwd > 0 || adapted("merger")            ? kInputGrad
+                                                                               : kNoBackward;
   // Window layers: pairs of each window, weighted by the kernel's rate at its length relative
   // to the rate at a whole image's (so that one attention() call at that rate charges them).
   double window_padded = 0;
@@ -385,8 +434,11 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   const std::set<int64_t> full(v.fullatt_block_indexes.begin(), v.fullatt_block_indexes.end());
   const double attn_share = static_cast<double>(sh.t * sh.share);  // heads (tp, sp) or windows (sp) split
   for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
+    tl.backward = patch_bwd;
     tl.gemm(M, h, static_cast<double>(v.patch_dim()));  // patch embedding
     for (int64_t l = 0; l < v.depth; ++l) {
+      tl.backward = block_bwd[static_cast<size_t>(l)];
+      const int64_t passes = static_cast<int64_t>(tl.passes_fwd()) + (tl.backward != kNoBackward ? 1 : 0);
       if (cv.vision_fused_qkv) {
         tl.gemm(M, 3 * h / t, h);
       } else {
@@ -401,46 +453,53 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
       // Norms and residuals (10h per token) run on every tensor-parallel rank; rotary (4h) and
       // the SwiGLU product (3I) are split.
       tl.elementwise(b * M * (10 * h + (4 * h + 3 * I) / t), 12);
-      if (s.kind == S::kTensorParallel) {  // row-parallel outputs forward (and recomputed), each column-parallel input grad backward
+      if (s.kind == S::kTensorParallel) {  // row-parallel outputs each forward pass, each column-parallel input grad backward
         const double ab = all_reduce_elem_bytes(c, b);
         const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, ab * M * h);
-        const int64_t calls = (w.checkpointing ? 4 : 2) + (cv.vision_fused_qkv ? 3 : 5);
+        const int64_t calls = 2 * static_cast<int64_t>(tl.passes_fwd()) +
+                              (tl.backward != kNoBackward ? (cv.vision_fused_qkv ? 3 : 5) : 0);
         tl.collective(calls * ar, calls * 2 * ab * M * h * (t - 1) / t, calls);
       }
       if (s.kind == S::kSequenceParallel && full.count(l)) {  // q, k, v to heads and the output back, each pass
         const double a2a = all_to_all_seconds(link_for(c, s.degree), s.degree, b * M * h);
-        const int64_t calls = 4 * (w.checkpointing ? 3 : 2);
+        const int64_t calls = 4 * passes;
         tl.collective(calls * a2a, calls * b * M * h * (s.degree - 1) / s.degree, calls);
       }
+      zero3_unit_collectives(tl, c, cv, s, static_cast<double>(vision_block_params(v)), 1, b, w.checkpointing);
     }
     // Merger: norm, fc1 (4h -> 4h), GELU, fc2 (4h -> out).
+    tl.backward = merger_bwd;
     tl.elementwise(b * M * h * 2 + b * M / unit * unit * h * 3 / t, 4);
     tl.gemm(M / unit, unit * h / t, unit * h);
     tl.gemm(M / unit, out, unit * h / t);
     if (s.kind == S::kTensorParallel) {
+      const int64_t calls = static_cast<int64_t>(tl.passes_fwd()) + (tl.backward != kNoBackward ? 1 : 0);
       const double ar = all_reduce_seconds(link_for(c, sh.t), sh.t, all_reduce_elem_bytes(c, b) * M / unit * out);
-      tl.collective((w.checkpointing ? 3 : 2) * ar, 0, w.checkpointing ? 3 : 2);
+      tl.collective(calls * ar, 0, calls);
     }
-    zero3_unit_collectives(tl, c, cv, s, static_cast<double>(vision_block_params(v)), static_cast<double>(v.depth), b,
-                           w.checkpointing);
     if (cv.zero3_units) {  // dhp's patch embedding and merger are units of their own
-      zero3_unit_collectives(tl, c, cv, s, static_cast<double>(v.patch_dim()) * h, 1, b, w.checkpointing);
       zero3_unit_collectives(tl, c, cv, s, unit * h * (unit * h + out), 1, b, w.checkpointing);
+      tl.backward = patch_bwd;
+      zero3_unit_collectives(tl, c, cv, s, static_cast<double>(v.patch_dim()) * h, 1, b, w.checkpointing);
     }
   }
-  const auto pc = static_cast<double>(qwen::count_parameters(model).vision);
-  step_collectives(tl, c, s, pc, b);
+  const auto pc = static_cast<double>(qwen::count_parameters(model).vision +
+                                      qwen::count_adapter_parameters(model, w.lora).vision);
+  const auto pt = static_cast<double>(qwen::count_trainable(model, fz).vision +
+                                      qwen::count_adapter_parameters(model, w.lora).vision);
+  step_collectives(tl, c, s, pt, b);
   add_sync_wait(cost, link_for(c, s.ranks()));
-  cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
+  cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "vision", s, v.depth, w);
-  cost.flops = 3 * vision_image_flops(v, gh, gw) * static_cast<double>(images_step);
+  cost.flops = (fz.encoder_frozen() ? 1 : 3) * vision_image_flops(v, gh, gw) * static_cast<double>(images_step);
   // Memory.
-  cost.state_bytes = module_state_bytes(cv, s, pc, w.precision);
+  cost.state_bytes = module_state_bytes(cv, s, pc, pt, w.precision);
   const double per_token_layer = b * (4 * h + (2 * h + 2 * h + 3 * I) / t);  // one block's saved tensors
   const double rows = M;  // one micro-batch's rows are alive at a time
-  cost.activation_bytes = recompute ? b * rows * h * static_cast<double>(v.depth + 1)
-                                          : per_token_layer * rows * static_cast<double>(v.depth);
-  cost.working_bytes = 2 * per_token_layer * rows;  // a block's tensors and their gradients in backward
+  const double kept = static_cast<double>(blocks_bwd);  // blocks whose activations wait for a backward
+  cost.activation_bytes = kept == 0 ? 0.0 : recompute ? b * rows * h * (kept + 1) : per_token_layer * rows * kept;
+  // A block's tensors and their gradients in backward (its forward's alone when none runs).
+  cost.working_bytes = (blocks_bwd > 0 || merger_bwd != kNoBackward ? 2 : 1) * per_token_layer * rows;
   if (s.kind == S::kZero3) {
     // dhp: the largest unit in its backward: gathered, its full gradient, and the
     // reduce-scatter's padded copy, send buffer and received sums (5x its bytes).
@@ -474,16 +533,29 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   const double logit_rows = cv.logits_all_positions ? M : targets;
   const double t = static_cast<double>(sh.t);
   const bool recompute = w.checkpointing || (s.kind == S::kZero3 && cv.zero3_units);
-  Tally tl{c, w.precision, cost, recompute ? 4.0 : 3.0, recompute ? 2.0 : 1.0};
+  Tally tl{c, w.precision, cost, recompute};
   const double layers = static_cast<double>(tc.num_layers);
   const Link& tl_link = link_for(c, sh.t);
+  // Fine-tuning: what of the decoder runs backward (all of it while the encoder trains).
+  const auto& fz = w.freezing;
+  const bool embed_trains = fz.trainable("model.embed_tokens.weight", m);
+  const bool text_adapted =
+      w.lora.on() && std::find(w.lora.modules.begin(), w.lora.modules.end(), "text") != w.lora.modules.end();
+  const auto layer_bwd = backward_of_layers(tc.num_layers, embed_trains || !fz.encoder_frozen() || text_adapted, [&](int64_t l) {
+    return fz.trainable("model.layers." + std::to_string(l) + ".mlp.up_proj.weight", m);
+  });
+  int64_t layers_bwd = 0;
+  for (auto b_ : layer_bwd) layers_bwd += b_ != kNoBackward ? 1 : 0;
+  const bool head_trains = fz.trainable(tc.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", m);
   for (int64_t mb = 0; mb < w.micro_batches; ++mb) {
+    tl.backward = embed_trains ? kFullBackward : kNoBackward;
     tl.elementwise(b * M * h * 2, 1);  // embedding lookup
     if (s.kind == S::kTensorParallel) {
       const double ab = all_reduce_elem_bytes(c, b);
       tl.collective(all_reduce_seconds(tl_link, sh.t, ab * M * h), 2 * ab * M * h * (t - 1) / t, 1);
     }
     for (int64_t l = 0; l < tc.num_layers; ++l) {
+      tl.backward = layer_bwd[static_cast<size_t>(l)];
       tl.gemm(M, h / t, h);  // q, k, v: separate linears (HF's text attention)
       tl.gemm(M, kv / t, h);
       tl.gemm(M, kv / t, h);
@@ -493,23 +565,26 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
       tl.gemm(M, h, I / t);
       tl.attention(4 * hd * heads / t * samples_mb * attention_pairs(c, L, true), L);
       tl.elementwise(b * M * (10 * h + (2 * h + 2 * kv + 3 * I) / t), 12);
-      if (s.kind == S::kTensorParallel) {  // o and down forward (and recomputed); q, k, v, gate, up input grads backward
+      if (s.kind == S::kTensorParallel) {  // o and down each forward pass; q, k, v, gate, up input grads backward
         const double ab = all_reduce_elem_bytes(c, b);
         const double ar = all_reduce_seconds(tl_link, sh.t, ab * M * h);
-        const int64_t calls = (w.checkpointing ? 4 : 2) + 5;
+        const int64_t calls = 2 * static_cast<int64_t>(tl.passes_fwd()) + (tl.backward != kNoBackward ? 5 : 0);
         tl.collective(calls * ar, calls * 2 * ab * M * h * (t - 1) / t, calls);
       }
+      zero3_unit_collectives(tl, c, cv, s, static_cast<double>(text_layer_params(tc)), 1, b, w.checkpointing);
     }
-    // Final norm, lm_head (vocabulary split under tp), softmax cross-entropy in fp32.
+    // Final norm, lm_head (vocabulary split under tp), softmax cross-entropy in fp32; the
+    // backward always runs here (the loss' gradient reaches whatever trains below).
+    tl.backward = fz.trainable("model.norm.weight", m) ? kFullBackward : kInputGrad;
     tl.elementwise(b * M * h * 2, 2);
-    cost.gemm_s += 3 * gemm_seconds(c, w.precision, logit_rows, V / t, h);  // not recomputed
+    cost.gemm_s += (head_trains ? 3 : 2) * gemm_seconds(c, w.precision, logit_rows, V / t, h);  // not recomputed
     cost.elementwise_s += 3 * elementwise_seconds(c, 4 * logit_rows * V / t * 3, 6);
     if (s.kind == S::kTensorParallel) {
       tl.collective(3 * all_reduce_seconds(tl_link, sh.t, 8 * logit_rows) +
                         all_reduce_seconds(tl_link, sh.t, all_reduce_elem_bytes(c, b) * logit_rows * h),
                     2 * b * logit_rows * h * (t - 1) / t, 4);
     }
-    zero3_unit_collectives(tl, c, cv, s, static_cast<double>(text_layer_params(tc)), layers, b, w.checkpointing);
+    tl.backward = head_trains ? kFullBackward : kInputGrad;
     if (cv.zero3_units) {  // dhp: the embedding and the head (the embedding again when tied) are units
       zero3_unit_collectives(tl, c, cv, s, V * h, 2, b, w.checkpointing);
     } else if (s.kind == S::kZero3) {  // embeddings and lm_head gathered too
@@ -518,18 +593,20 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
       tl.collective(3 * all_gather_seconds(l, s.ranks(), eb), 3 * eb, 3);
     }
   }
-  const auto pc = static_cast<double>(qwen::count_parameters(m).text);
-  step_collectives(tl, c, s, pc, b);
+  const auto pc = static_cast<double>(qwen::count_parameters(m).text + qwen::count_adapter_parameters(m, w.lora).text);
+  const auto pt = static_cast<double>(qwen::count_trainable(m, fz).text + qwen::count_adapter_parameters(m, w.lora).text);
+  step_collectives(tl, c, s, pt, b);
   add_sync_wait(cost, link_for(c, s.ranks()));
-  cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pc));
+  cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "text", s, tc.num_layers, w);
   const double per_layer_flops = 2 * L * (h * h + 2 * h * kv + h * h + 3 * h * I) + 4 * h * L * (L + 1) / 2;
   cost.flops = 3 * static_cast<double>(w.batch_size) *
                (layers * per_layer_flops + 2 * (cv.logits_all_positions ? L : static_cast<double>(w.target_tokens)) * h * V);
   // Memory.
-  cost.state_bytes = module_state_bytes(cv, s, pc, w.precision);
+  cost.state_bytes = module_state_bytes(cv, s, pc, pt, w.precision);
   const double per_token_layer = b * (4 * h + (2 * h + 2 * kv + 3 * I) / t);
-  cost.activation_bytes = recompute ? b * M * h * (layers + 1) : per_token_layer * M * layers;
+  const double kept = static_cast<double>(layers_bwd);  // layers whose activations wait for a backward
+  cost.activation_bytes = recompute ? b * M * h * (kept + 1) : per_token_layer * M * kept;
   cost.working_bytes = 2 * per_token_layer * M;
   cost.logits_bytes = cv.logit_bytes * logit_rows * V / t;
   if (s.kind == S::kZero3) {
@@ -582,8 +659,9 @@ void add_overheads(const qwen::ModelConfig& m, const Cluster& c, const Workload&
                      static_cast<double>(v.spatial_merge_size * v.spatial_merge_size) * static_cast<double>(v.out_hidden_size);
   if (plan.disjoint) {
     const Link& l = link_for(c, G);
-    e.redistribute_s = 2 * (l.latency_s + emb / static_cast<double>(std::max<int64_t>(1, std::min(vs.ranks(), ts.ranks()))) /
-                                              l.bus_bandwidth);
+    const double ways = w.freezing.encoder_frozen() ? 1 : 2;  // embeddings, and their gradients back
+    e.redistribute_s = ways * (l.latency_s + emb / static_cast<double>(std::max<int64_t>(1, std::min(vs.ranks(), ts.ranks()))) /
+                                                 l.bus_bandwidth);
   } else if (vs.kind == S::kSequenceParallel && ts.kind != S::kZero3 && ts.kind != S::kDataParallel) {
     // Sequence-split embeddings gathered to every text rank; gradients sliced locally.
     e.redistribute_s = all_gather_seconds(link_for(c, vs.ranks()), vs.ranks(), emb / static_cast<double>(vs.dp));

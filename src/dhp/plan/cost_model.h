@@ -21,6 +21,8 @@
 
 #include "dhp/dist/layout.h"
 #include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/models/qwen2_5_vl/freezing.h"
+#include "dhp/models/qwen2_5_vl/lora.h"
 
 namespace dhp::plan {
 
@@ -99,6 +101,14 @@ struct Workload {
   // The samples are dhp's synthetic shapes task, generated inside the step by every rank
   // (whole global batch); otherwise the data loader's threads prepare them ahead (no cost).
   bool synthetic_data = false;
+  // Fine-tuning (model.vision.freeze, ...): frozen parameters hold no gradient or optimizer
+  // state and take no part in the gradient reductions; a frozen layer's backward computes
+  // its input's gradient only (no weight gradient), and none at all before the first layer
+  // that trains; a frozen vision encoder runs forward only.
+  qwen::Freezing freezing;
+  // LoRA (lora.*): the adapters' parameters train (gradients, state, reductions); their
+  // FLOPs (rank << width) are not counted. Their base weights are frozen (freezing.adapted).
+  qwen::LoraSpec lora;
   // Patch grid (h, w) of one image: the squarest even-sided grid of vision_tokens patches.
   std::pair<int64_t, int64_t> grid() const;
   int64_t tokens_per_sample(int64_t merge) const;  // text sequence length of one sample

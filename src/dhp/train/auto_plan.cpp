@@ -70,6 +70,8 @@ plan::Workload auto_workload(const Config& cfg, int64_t& side) {
   w.micro_batches = cfg.training.micro_batches;
   w.precision = cfg.training.precision;
   w.checkpointing = cfg.training.activation_checkpointing;
+  w.freezing = cfg.model.freezing;
+  w.lora = cfg.lora.spec();
   return w;
 }
 

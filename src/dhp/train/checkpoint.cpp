@@ -8,6 +8,8 @@
 #include "dhp/core/error.h"
 #include "dhp/core/options.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
+#include "dhp/models/qwen2_5_vl/peft.h"
+#include "dhp/train/parallel_model.h"
 
 namespace dhp::train {
 namespace {
@@ -136,17 +138,26 @@ TensorSource checkpoint_source(const io::CheckpointReader& r) {
   return s;
 }
 
-TensorSource hf_source(const qwen::HfWeights& w) {
+namespace {
+// param/<name> of a directory of parameters by name (HF weights, PEFT adapters): anything with
+// contains(name), shape(name) and read_box(name, offset, shape). Nothing else is there.
+template <class Dir>
+TensorSource parameter_source(const Dir& d, const std::string& where) {
   auto strip = [](const std::string& n) { return n.rfind("param/", 0) == 0 ? n.substr(6) : std::string(); };
   TensorSource s;
-  s.where = "Hugging Face model directory " + w.dir();
-  s.has = [&w, strip](const std::string& n) { return !strip(n).empty() && w.contains(strip(n)); };
-  s.shape = [&w, strip](const std::string& n) { return w.shape(strip(n)); };
-  s.read = [&w, strip](const std::string& n, const std::vector<int64_t>& o, const std::vector<int64_t>& sh) {
-    return w.read_box(strip(n), o, sh);
+  s.where = where;
+  s.has = [&d, strip](const std::string& n) { return !strip(n).empty() && d.contains(strip(n)); };
+  s.shape = [&d, strip](const std::string& n) { return d.shape(strip(n)); };
+  s.read = [&d, strip](const std::string& n, const std::vector<int64_t>& o, const std::vector<int64_t>& sh) {
+    return d.read_box(strip(n), o, sh);
   };
   return s;
 }
+}  // namespace
+
+TensorSource hf_source(const qwen::HfWeights& w) { return parameter_source(w, "Hugging Face model directory " + w.dir()); }
+
+TensorSource peft_source(const qwen::PeftAdapter& a) { return parameter_source(a, "PEFT adapter directory " + a.dir()); }
 
 void load_pieces(const TensorSource& src, const std::vector<CheckpointPiece>& pieces) {
   torch::NoGradGuard no_grad;
@@ -179,6 +190,12 @@ Config checkpoint_config(const io::CheckpointReader& r) {
   return load_config(tree);
 }
 
+std::string checkpoint_base_model(const io::CheckpointReader& r) {
+  const std::string what = r.dir() + "/manifest.json meta config";
+  const YAML::Node model = YAML::Load(r.manifest().meta.at("config", what).str(what))["model"];
+  return model && model["from"] ? model["from"].as<std::string>() : "";
+}
+
 std::map<std::string, torch::Tensor> checkpoint_parameters(const io::CheckpointReader& r, bool masters) {
   std::map<std::string, torch::Tensor> out;
   for (const auto& [name, rec] : r.manifest().tensors) {
@@ -187,6 +204,23 @@ std::map<std::string, torch::Tensor> checkpoint_parameters(const io::CheckpointR
     out[p] = r.read_full(masters && r.has(master) ? master : name);
   }
   DHP_CHECK(!out.empty(), r.dir(), ": the checkpoint holds no parameters (param/ tensors)");
+  const auto cfg = checkpoint_config(r);
+  if (!cfg.model.freezing.any()) return out;
+  // A fine-tuning run's checkpoint holds what trained; its frozen parameters are the run's
+  // starting weights: model.from's, or the seed's initialisation.
+  const std::string from = checkpoint_base_model(r);
+  auto base = build_model(cfg, /*load_from=*/false);
+  if (!from.empty()) {
+    try {
+      qwen::load_hf_weights(from, *base);
+    } catch (const std::exception& e) {
+      DHP_FAIL(r.dir(), " holds only the parameters that trained; the frozen ones are model.from=", from,
+               "'s, which cannot be read: ", e.what());
+    }
+  }
+  for (const auto& kv : base->named_parameters(true)) {
+    if (!out.count(kv.key())) out[kv.key()] = kv.value().detach();
+  }
   return out;
 }
 

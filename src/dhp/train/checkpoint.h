@@ -26,6 +26,7 @@
 
 namespace dhp::qwen {
 class HfWeights;
+class PeftAdapter;
 }
 
 namespace dhp::train {
@@ -62,6 +63,9 @@ TensorSource checkpoint_source(const io::CheckpointReader& r);
 // convention); it has nothing else (so masters come from the parameters).
 TensorSource hf_source(const qwen::HfWeights& w);
 
+// A PEFT adapter directory: param/<adapter name> is its adapter (nothing else).
+TensorSource peft_source(const qwen::PeftAdapter& a);
+
 // Fills every piece (written or not) from `src`, converting dtypes. param/ of fp32 pieces
 // prefers master/ (so a bf16 run's checkpoint continues in fp32 from its masters);
 // master/ falls back to param/ (a checkpoint of an fp32 run, or an HF directory). Throws
@@ -72,7 +76,11 @@ void load_pieces(const TensorSource& src, const std::vector<CheckpointPiece>& pi
 // full by single-process name: param/ tensors, or master/ ones where `masters` and the
 // checkpoint has them (fp32 masters of a bf16 run).
 Config checkpoint_config(const io::CheckpointReader& r);
+// A fine-tuning checkpoint holds only what trained: the frozen rest is rebuilt as the run
+// started (its model.from, which must still be readable, or the seed's initialisation).
 std::map<std::string, torch::Tensor> checkpoint_parameters(const io::CheckpointReader& r, bool masters);
+// The model.from the checkpoint's run started from ("" when none).
+std::string checkpoint_base_model(const io::CheckpointReader& r);
 // `path` itself when it holds a manifest, else the newest complete step-N under it.
 std::string find_checkpoint(const std::string& path);
 

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <mutex>
@@ -118,6 +119,27 @@ std::string save_checkpoint(ParallelModel& model, const Config& cfg, int64_t ste
 
 Restored load_checkpoint(ParallelModel& model, const std::string& dir) {
   io::CheckpointReader r(dir);
+  // A checkpoint holds what trained: another freeze setting would leave parameters that now
+  // train without state (or frozen ones with stale state). Refused, naming the keys.
+  auto settings = [](const Config& c) {
+    auto out = c.model.freezing.settings();  // and what decides which adapters exist
+    out.emplace_back("lora.rank", detail::to_yaml_text(c.lora.rank));
+    if (c.lora.rank > 0) {
+      out.emplace_back("lora.alpha", detail::to_yaml_text(c.lora.alpha));
+      out.emplace_back("lora.targets", detail::to_yaml_text(c.lora.targets));
+      out.emplace_back("lora.modules", detail::to_yaml_text(c.lora.modules));
+    }
+    return out;
+  };
+  const auto saved = settings(checkpoint_config(r)), now = settings(model.config());
+  std::string differ;
+  for (size_t i = 0; i < std::min(saved.size(), now.size()); ++i) {
+    if (saved[i].second != now[i].second)
+      differ += (differ.empty() ? "" : ", ") + saved[i].first + ": " + saved[i].second + " there, " + now[i].second + " here";
+  }
+  DHP_CHECK(differ.empty(), dir, " was trained with other frozen parameters or adapters (", differ,
+            "); resume with its settings, ",
+            "or start a new run from its exported weights (dhp convert, then model.from)");
   load_pieces(checkpoint_source(r), model.checkpoint_pieces());
   const auto& meta = r.manifest().meta;
   const std::string what = dir + "/manifest.json meta";

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>  // TORCH_INTERNAL_ASSERT
 
+#include <map>
+
 #include "dhp/core/memory.h"
 #include "dhp/dist/layout.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
@@ -27,6 +29,7 @@ Config load_config(const ConfigTree& tree) {
     DHP_FAIL(key, o.empty() ? "" : " (from " + o + ")", ": ", e.what());
   }
   Binder::bind(tree, root, "", c);
+  if (c.lora.rank > 0) c.model.freezing.adapted = c.lora.modules;  // LoRA freezes the base there
   c.validate();
   return c;
 }
@@ -40,6 +43,30 @@ Config load_config(const std::string& file, const std::vector<std::string>& sets
 
 void Config::validate() const {
   model.config.validate();
+  DHP_CHECK(lora.rank >= 0, "lora.rank must be >= 0 (0 = no LoRA), got ", lora.rank);
+  if (lora.rank > 0) {
+    DHP_CHECK(lora.alpha > 0, "lora.alpha must be > 0, got ", lora.alpha);
+    DHP_CHECK(lora.dropout >= 0 && lora.dropout < 1, "lora.dropout must be in [0, 1), got ", lora.dropout);
+    DHP_CHECK(!lora.modules.empty(), "lora.modules is empty; name some of vision, merger, text");
+    DHP_CHECK(!lora.targets.empty(), "lora.targets is empty; name the linears to adapt, e.g. [q_proj, v_proj]");
+    const std::map<std::string, std::pair<const char*, bool>> whole = {
+        {"vision", {"model.vision.freeze", model.freezing.vision.freeze || !model.freezing.vision.trainable_blocks.empty()}},
+        {"merger", {"model.merger.freeze", model.freezing.merger.freeze}},
+        {"text", {"model.text.freeze", model.freezing.text.freeze || !model.freezing.text.trainable_layers.empty() ||
+                                           model.freezing.text.freeze_embeddings || model.freezing.text.freeze_lm_head}}};
+    for (const auto& m : lora.modules) {
+      const auto it = whole.find(m);
+      DHP_CHECK(it != whole.end(), "lora.modules has '", m, "'; the modules are vision, merger, text");
+      DHP_CHECK(!it->second.second, "lora.modules has ", m, " and ", it->second.first,
+                " (or a block list) freezes it too: with LoRA its base weights are frozen anyway and only the ",
+                "adapters train; drop the freeze settings of ", m, ", or ", m, " from lora.modules");
+    }
+    qwen::adapted_linears(model.config, lora.spec());  // every target names something
+  } else {
+    DHP_CHECK(!output.peft_export, "output.peft_export=true needs LoRA adapters (lora.rank > 0)");
+    DHP_CHECK(lora.from.empty(), "lora.from=", lora.from, " needs lora.rank > 0 (and lora.* as the adapter was trained)");
+  }
+  model.freezing.validate(model.config);
   DHP_CHECK(data.dataset == "shapes" || data.dataset == "llava", "data.dataset='", data.dataset,
             "' is not supported; available: shapes, llava");
   if (data.dataset == "llava") {

@@ -8,6 +8,8 @@
 
 #include "dhp/core/options.h"
 #include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/models/qwen2_5_vl/freezing.h"
+#include "dhp/models/qwen2_5_vl/lora.h"
 
 namespace dhp {
 
@@ -15,13 +17,19 @@ struct ModelOptions {
   std::string preset = "demo";  // demo, bench, qwen2.5-vl-3b, -7b, -32b, -72b
   std::string from;             // Hugging Face model directory to start from (replaces preset)
   qwen::ModelConfig config;     // the preset (or from's config.json), with any model.vision.* / model.text.* override
+  qwen::Freezing freezing;      // fine-tuning: what trains (model.vision.freeze, ...)
   template <class V>
   void visit(V& v) {
     v.field("preset", preset, "demo, bench, qwen2.5-vl-3b, qwen2.5-vl-7b, qwen2.5-vl-32b, qwen2.5-vl-72b");
     v.field("from", from,
             "Hugging Face model directory (config.json + model.safetensors or a sharded index) whose architecture "
             "and weights training starts from; replaces model.preset (empty = initialise from training.seed)");
-    config.visit(v);
+    Joined<qwen::VisionConfig, qwen::VisionFreezing> vision{config.vision, freezing.vision};
+    Joined<qwen::TextConfig, qwen::TextFreezing> text{config.text, freezing.text};
+    v.section("vision", vision, "vision tower: architecture, and what trains (fine-tuning)");
+    v.section("text", text, "text decoder: architecture, and what trains (fine-tuning)");
+    v.section("merger", freezing.merger, "vision merger (fine-tuning)");
+    config.visit_fields(v);
   }
 };
 
@@ -187,12 +195,45 @@ struct ParallelOptions {
 struct OutputOptions {
   std::string dir = "runs/demo";  // run directory: metrics.jsonl, config.yaml
   bool hf_export = false;         // write the trained model as a Hugging Face directory
+  bool peft_export = false;       // write the LoRA adapters as a PEFT directory
   template <class V>
   void visit(V& v) {
     v.field("dir", dir, "run directory (metrics.jsonl, config.yaml)");
     v.field("hf_export", hf_export,
-            "at the end, write the trained model to <dir>/hf as a Hugging Face directory (config.json + safetensors)");
+            "at the end, write the trained model to <dir>/hf as a Hugging Face directory (config.json + safetensors; "
+            "LoRA adapters merged into their weights)");
+    v.field("peft_export", peft_export,
+            "at the end, write the LoRA adapters to <dir>/peft as a PEFT adapter directory (adapter_config.json + "
+            "adapter_model.safetensors) that Hugging Face PEFT loads onto the base model");
   }
+};
+
+// LoRA (models/qwen2_5_vl/lora.h): low-rank adapters on the named linears of some modules,
+// whose base weights are then frozen.
+struct LoraOptions {
+  int64_t rank = 0;  // 0 = off
+  double alpha = 16;
+  double dropout = 0;
+  std::vector<std::string> targets{"q_proj", "k_proj", "v_proj", "o_proj"};
+  std::vector<std::string> modules{"text"};
+  std::string from;  // a PEFT adapter directory to continue from
+  template <class V>
+  void visit(V& v) {
+    v.field("rank", rank, "LoRA rank r (0 = no LoRA)");
+    v.field("alpha", alpha, "LoRA alpha: the adapters' output is scaled by alpha / rank");
+    v.field("dropout", dropout, "dropout on each adapter's input while training (0 = none)");
+    v.field("targets", targets,
+            "linears that get adapters, as Hugging Face / PEFT name them: q_proj, k_proj, v_proj, o_proj, gate_proj, "
+            "up_proj, down_proj (text), qkv, proj, mlp.* (vision), mlp.0, mlp.2 (merger); a name matches itself or "
+            "a longer name ending in .NAME, and NAME.* any last component after NAME");
+    v.field("modules", modules,
+            "which modules get adapters: vision, merger, text; their base weights are frozen, only the adapters train "
+            "there (the other modules follow model.*.freeze)");
+    v.field("from", from,
+            "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) whose adapters training "
+            "continues from (its r, lora_alpha and targets must match lora.*; on top of model.from)");
+  }
+  qwen::LoraSpec spec() const { return {rank, alpha, dropout, targets, modules}; }
 };
 
 struct CheckpointOptions {
@@ -220,6 +261,7 @@ struct Config {
   ParallelOptions parallel;
   OutputOptions output;
   CheckpointOptions checkpoint;
+  LoraOptions lora;
   template <class V>
   void visit(V& v) {
     v.section("model", model, "model architecture (a preset plus overrides)");
@@ -228,6 +270,7 @@ struct Config {
     v.section("parallel", parallel, "parallel strategy");
     v.section("output", output, "where results go");
     v.section("checkpoint", checkpoint, "saving and resuming the training state");
+    v.section("lora", lora, "LoRA adapters (fine-tuning)");
   }
   // Throws dhp::Error naming the bad key and value.
   void validate() const;

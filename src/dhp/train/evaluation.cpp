@@ -9,6 +9,7 @@ namespace dhp::train {
 EvalResult evaluate_model(qwen::Qwen2_5_VLImpl& model, DataStream& stream, int64_t num_samples, int64_t chunk,
                           const qwen::ModelConfig& cfg) {
   torch::NoGradGuard no_grad;
+  const nn::EvalScope eval_mode(model);  // no dropout
   EvalResult r;
   double loss_sum = 0;
   int64_t tokens = 0;

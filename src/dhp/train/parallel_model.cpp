@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "dhp/core/device_memory.h"
 #include "dhp/core/error.h"
@@ -13,6 +14,7 @@
 #include "dhp/core/memory.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/models/qwen2_5_vl/parallelize.h"
+#include "dhp/models/qwen2_5_vl/peft.h"
 #include "dhp/parallel/redistribute.h"
 #include "dhp/parallel/tensor_parallel.h"
 #include "dhp/train/transfers.h"
@@ -85,11 +87,27 @@ nn::VarlenAttentionOptions attention_options(const Config& cfg) {
   return o;
 }
 
+void load_peft_adapters(const Config& cfg, qwen::Qwen2_5_VLImpl& model) {
+  const qwen::PeftAdapter a(cfg.lora.from);
+  a.check_matches(cfg.lora.spec(), cfg.model.config);
+  torch::NoGradGuard no_grad;
+  for (auto& kv : model.named_parameters(true)) {
+    if (!qwen::is_lora_parameter(kv.key())) continue;
+    kv.value().copy_(a.read_box(kv.key(), std::vector<int64_t>(static_cast<size_t>(kv.value().dim()), 0),
+                                kv.value().sizes().vec()));
+  }
+}
+
+std::vector<bool> forward_only_encoders(const Config& cfg) { return {cfg.model.freezing.encoder_frozen()}; }
+
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from) {
   qwen::Qwen2_5_VL m(cfg.model.config);
   qwen::init_parameters(*m, static_cast<uint64_t>(cfg.training.seed), cfg.model.config.initializer_range);
   if (load_from && !cfg.model.from.empty()) qwen::load_hf_weights(cfg.model.from, *m);
+  qwen::apply_lora(*m, cfg.lora.spec(), static_cast<uint64_t>(cfg.training.seed));
+  if (load_from && !cfg.lora.from.empty()) load_peft_adapters(cfg, *m);
   if (cfg.training.precision == "bf16") m->to(torch::kBFloat16);
+  qwen::apply_freezing(*m, cfg.model.freezing, cfg.model.config);
   m->set_activation_checkpointing(cfg.training.activation_checkpointing);
   m->set_attention(attention_options(cfg));
   return m;
@@ -130,8 +148,9 @@ void ParallelModel::release_parameters(const parallel::ModuleTarget& target) {
 ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Runtime& rt)
     : cfg_(cfg), layouts_(layouts), rt_(rt) {
   DHP_CHECK(rt_.world == 1 || rt_.store, "a job of ", rt_.world, " ranks needs a store");
-  place_ = resolve_placement(cfg_, rt_);
-  device_ = place_.device;
+  const Placement place = resolve_placement(cfg_, rt_);
+  forward_only_ = forward_only_encoders(cfg_);
+  device_ = place.device;
   use_device(device_);  // before any group or tensor: NCCL and cuBLAS take the current device
   const auto everyone = dist::iota_ranks(rt_.world);
   if (rt_.world > 1) job_ = dist::Group(*rt_.store, "job", everyone, rt_.rank, rt_.timeout);
@@ -142,9 +161,9 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   bool crossing = false;
   for (size_t e = 0; e + 1 < layouts_.modules.size(); ++e)
     crossing = crossing || parallel::moves_between_ranks(layouts_.modules[e], layouts_.decoder());
-  if (rt_.world > 1 && place_.backend == dist::Backend::kNccl && crossing) {
-    acts_ = dist::Group(*rt_.store, "transfers/activations", everyone, rt_.rank, rt_.timeout, place_.backend, device_);
-    grads_ = dist::Group(*rt_.store, "transfers/gradients", everyone, rt_.rank, rt_.timeout, place_.backend, device_);
+  if (rt_.world > 1 && place.backend == dist::Backend::kNccl && crossing) {
+    acts_ = dist::Group(*rt_.store, "transfers/activations", everyone, rt_.rank, rt_.timeout, place.backend, device_);
+    grads_ = dist::Group(*rt_.store, "transfers/gradients", everyone, rt_.rank, rt_.timeout, place.backend, device_);
   }
   model_ = build_model(cfg_, /*load_from=*/false);  // model.from: each rank reads its slices below
   if (!device_.is_cpu()) model_->to(device_);       // before the optimizers take the parameters
@@ -159,7 +178,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     s.member = s.layout.module_rank(rt_.rank) >= 0;
     // Collective over the job: every rank builds every module's groups, in module order.
     if (rt_.world > 1) {
-      s.pg = dist::make_process_groups(*rt_.store, s.layout, rt_.rank, rt_.timeout, place_.backend, device_);
+      s.pg = dist::make_process_groups(*rt_.store, s.layout, rt_.rank, rt_.timeout, place.backend, device_);
     }
     s.pg.member = s.member;
     if (s.member) s.coord = s.layout.coord(s.layout.module_rank(rt_.rank));
@@ -178,17 +197,26 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   for (auto& s : stages_) {
     if (s.strategy && rt_.optimizer) s.strategy->make_optimizer(o);
   }
-  if (!cfg_.model.from.empty()) load_from(cfg_.model.from);
+  if (!cfg_.model.from.empty() || !cfg_.lora.from.empty()) load_weights();
 }
 
-void ParallelModel::load_from(const std::string& dir) {
-  qwen::HfWeights w(dir);
-  std::vector<CheckpointPiece> weights;  // parameters and masters: the moments stay zero
-  for (auto& p : checkpoint_pieces()) {
-    if (p.name.rfind("param/", 0) == 0 || p.name.rfind("master/", 0) == 0) weights.push_back(std::move(p));
+void ParallelModel::load_weights() {
+  // Parameters and masters (the moments stay zero); LoRA adapters come from the seed or lora.from.
+  std::vector<CheckpointPiece> weights, adapters;
+  for (auto& p : pieces(/*frozen_too=*/true)) {
+    if (p.name.rfind("param/", 0) != 0 && p.name.rfind("master/", 0) != 0) continue;
+    (qwen::is_lora_parameter(p.name) ? adapters : weights).push_back(std::move(p));
   }
-  load_pieces(hf_source(w), weights);
-  if (rt_.rank == 0) qwen::unused_hf_tensors(w, [&](const std::string& n) { return full_shapes_.count(n) > 0; });
+  if (!cfg_.model.from.empty()) {
+    const qwen::HfWeights w(cfg_.model.from);
+    load_pieces(hf_source(w), weights);
+    if (rt_.rank == 0) qwen::unused_hf_tensors(w, [&](const std::string& n) { return full_shapes_.count(n) > 0; });
+  }
+  if (!cfg_.lora.from.empty()) {
+    const qwen::PeftAdapter a(cfg_.lora.from);
+    a.check_matches(cfg_.lora.spec(), cfg_.model.config);
+    load_pieces(peft_source(a), adapters);
+  }
 }
 
 parallel::HeldElements ParallelModel::held(const std::string& name) const {
@@ -199,7 +227,7 @@ parallel::HeldElements ParallelModel::held(const std::string& name) const {
 }
 
 std::vector<Action> ParallelModel::schedule(int64_t micro_batches) const {
-  return make_schedule(layouts_.modules, rt_.rank, micro_batches, cfg_.parallel.pipeline);
+  return make_schedule(layouts_.modules, rt_.rank, micro_batches, cfg_.parallel.pipeline, forward_only_);
 }
 
 bool ParallelModel::encodes(int64_t i, int64_t n) const {
@@ -261,6 +289,9 @@ torch::Tensor ParallelModel::encode_chunk(int64_t encoder, std::vector<data::Sam
 }
 
 torch::Tensor ParallelModel::encode(int64_t encoder, const qwen::Batch& batch) {
+  // A frozen encoder keeps no activations for a backward that never comes.
+  std::optional<torch::NoGradGuard> no_grad;
+  if (forward_only_.at(static_cast<size_t>(encoder))) no_grad.emplace();
   auto out = qwen::encode(*model_, encoder, batch);
   if (out.defined()) return out;
   return torch::zeros({0, cfg_.model.config.text.hidden_size}, torch::TensorOptions().dtype(dtype_).device(device_));
@@ -297,7 +328,8 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
       transfer(a, tr.plan, tr.encoder_out);
       break;
     case Op::kRecvActivations:
-      tr.decoder_in = transfer(a, tr.plan, tr.encoder_out).detach().requires_grad_(true);
+      // A leaf collecting the rows' gradient, unless the encoder takes none.
+      tr.decoder_in = transfer(a, tr.plan, tr.encoder_out).detach().requires_grad_(!forward_only_.at(a.module));
       waited();
       break;
     case Op::kDecode: {
@@ -372,6 +404,7 @@ double ParallelModel::finish_step(double lr, double max_norm) {
 
 torch::Tensor ParallelModel::forward_logits(const qwen::Batch& host_batch) {
   torch::NoGradGuard no_grad;
+  const nn::EvalScope eval_mode(*model_);  // no dropout
   DHP_CHECK(layouts_.max_dp() == 1, "a forward of one sample runs each module as one ",
             "replica, but the layout (", describe(layouts_), ") has data-parallel replicas; set parallel.vision.dp=1 ",
             "and parallel.text.dp=1 (the strategy's own degree takes the ranks)");
@@ -486,15 +519,17 @@ std::vector<std::string> ParallelModel::all_gather_strings(const std::string& s)
   return out;
 }
 
-std::vector<CheckpointPiece> ParallelModel::checkpoint_pieces() {
+std::vector<CheckpointPiece> ParallelModel::pieces(bool frozen_too) {
   std::vector<CheckpointPiece> out;
   for (auto& s : stages_) {
     if (!s.strategy) continue;
-    auto pieces = s.strategy->checkpoint_pieces(full_shapes_);
-    std::move(pieces.begin(), pieces.end(), std::back_inserter(out));
+    for (auto& p : s.strategy->checkpoint_pieces(full_shapes_))
+      if (frozen_too || !p.frozen) out.push_back(std::move(p));
   }
   return out;
 }
+
+std::vector<CheckpointPiece> ParallelModel::checkpoint_pieces() { return pieces(/*frozen_too=*/false); }
 
 void ParallelModel::set_optimizer_steps(int64_t n) {
   if (!rt_.optimizer) return;

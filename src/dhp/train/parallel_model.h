@@ -89,8 +89,16 @@ optim::AdamWOptions optimizer_options(const Config& cfg);
 // training.attention_block and training.attention as the attention kernel's options.
 nn::VarlenAttentionOptions attention_options(const Config& cfg);
 
+// Per encoder (module order, the decoder left out): true when it trains nothing (fine-tuning
+// froze it whole), so the schedule sends it no gradients and it encodes without autograd.
+std::vector<bool> forward_only_encoders(const Config& cfg);
+
+// lora.from's adapters into `model` (checked against lora.*: dhp::Error naming the file).
+void load_peft_adapters(const Config& cfg, qwen::Qwen2_5_VLImpl& model);
+
 // Builds the model for a config: presets, init from the seed, model.from's weights (unless
-// `load_from` is false), precision, checkpointing.
+// `load_from` is false), LoRA adapters (lora.*; lora.from's unless `load_from` is false),
+// precision, checkpointing, the frozen parameters marked (model.*.freeze, LoRA's base).
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from = true);
 
 class ParallelModel {
@@ -137,9 +145,11 @@ class ParallelModel {
   // Every rank's `s`, rank-major, on every rank (collective).
   std::vector<std::string> all_gather_strings(const std::string& s) const;
 
-  // What this rank holds of every parameter and optimizer-state tensor, for checkpoints
-  // (checkpoint.h): views into the live tensors; across the job each element has exactly
-  // one writer. Loading all pieces (then set_optimizer_steps) restores the training state.
+  // What this rank holds of every trainable parameter and optimizer-state tensor, for
+  // checkpoints (checkpoint.h): views into the live tensors; across the job each element has
+  // exactly one writer. Loading all pieces (then set_optimizer_steps) restores the training
+  // state; frozen parameters are left out (they come from model.from or the seed, as at the
+  // start).
   std::vector<CheckpointPiece> checkpoint_pieces();
   void set_optimizer_steps(int64_t n);
 
@@ -148,6 +158,7 @@ class ParallelModel {
   qwen::Qwen2_5_VLImpl& model() { return *model_; }
   const Layouts& layouts() const { return layouts_; }
   const Runtime& runtime() const { return rt_; }
+  const Config& config() const { return cfg_; }
   const torch::Device& device() const { return device_; }  // where the model and the batches live
 
  private:
@@ -176,8 +187,11 @@ class ParallelModel {
   void release_parameters(const parallel::ModuleTarget& target);  // frees a module this rank does not host
   // Every parameter of one stage in full on rank 0 and on the stage's ranks (collective).
   void gather_full(Stage& s, std::map<std::string, torch::Tensor>& out);
-  // model.from: this rank's slices of every parameter (and master) from an HF directory.
-  void load_from(const std::string& dir);
+  // model.from: this rank's slices of every parameter (and master) from an HF directory;
+  // lora.from: the adapters' from a PEFT directory.
+  void load_weights();
+  // Every stage's checkpoint pieces, the frozen parameters' too or not.
+  std::vector<CheckpointPiece> pieces(bool frozen_too);
 
   Config cfg_;
   Layouts layouts_;
@@ -186,7 +200,7 @@ class ParallelModel {
   dist::Group job_;    // every rank, Gloo on host tensors: bookkeeping (sums, strings, barriers)
   dist::Group acts_;   // the activations' channel (train/transfers.h); job_ itself under Gloo
   dist::Group grads_;  // the gradients' channel; job_ itself under Gloo
-  Placement place_;
+  std::vector<bool> forward_only_;  // per encoder: frozen whole, no gradients (forward_only_encoders)
   std::vector<Stage> stages_;  // the model's modules in order (Layouts::modules)
   // Name -> shape of every parameter, kept for those released on this rank.
   std::map<std::string, std::vector<int64_t>> full_shapes_;

@@ -22,8 +22,9 @@ bool disjoint(const std::vector<dist::ModuleLayout>& modules) {
 }
 
 std::vector<Action> make_schedule(const std::vector<dist::ModuleLayout>& modules, int64_t rank,
-                                  int64_t micro_batches, bool pipelined) {
+                                  int64_t micro_batches, bool pipelined, const std::vector<bool>& forward_only) {
   const int64_t decoder = static_cast<int64_t>(modules.size()) - 1;
+  auto trains = [&](int64_t e) { return static_cast<size_t>(e) >= forward_only.size() || !forward_only[e]; };
   std::vector<int64_t> mine;  // the encoders this rank hosts, in module order
   for (int64_t e = 0; e < decoder; ++e)
     if (hosts(modules[e], rank)) mine.push_back(e);
@@ -37,6 +38,7 @@ std::vector<Action> make_schedule(const std::vector<dist::ModuleLayout>& modules
   };
   auto encode_backward = [&](int64_t i) {
     for (auto e : mine) {
+      if (!trains(e)) continue;
       a.push_back({Op::kRecvGrads, i, e});
       a.push_back({Op::kEncodeBackward, i, e});
     }
@@ -45,7 +47,8 @@ std::vector<Action> make_schedule(const std::vector<dist::ModuleLayout>& modules
     if (!decodes) return;
     for (int64_t e = 0; e < decoder; ++e) a.push_back({Op::kRecvActivations, i, e});
     a.push_back({Op::kDecode, i, decoder});
-    for (int64_t e = 0; e < decoder; ++e) a.push_back({Op::kSendGrads, i, e});
+    for (int64_t e = 0; e < decoder; ++e)
+      if (trains(e)) a.push_back({Op::kSendGrads, i, e});
   };
   if (pipelined && disjoint(modules)) {
     if (micro_batches > 0) encode(0);

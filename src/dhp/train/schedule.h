@@ -15,6 +15,9 @@
 //   micro-batches' encoder activations are held):
 //     vision: VF(0) SA(0) | VF(1) SA(1) RG(0) VB(0) | VF(2) SA(2) RG(1) VB(1) | ... RG(n-1) VB(n-1)
 //     text:   RA(0) TFB(0) SG(0) | RA(1) TFB(1) SG(1) | ...
+// An encoder that does not train (fine-tuning: frozen whole; `forward_only`) gets no
+// gradients: no SG, RG or <E>B for it, so a disjoint encoder group only streams forwards
+// (VF0 SA0 VF1 SA1 ...), ahead of the decoder by as much as its sends allow.
 // With several encoders a rank runs the actions of each encoder it hosts in module order, and
 // the decoder receives from every encoder before its forward and sends to every encoder after
 // its backward. Both orders compute the same thing: the same micro-batches, each module's
@@ -49,9 +52,10 @@ struct Action {
 bool disjoint(const std::vector<dist::ModuleLayout>& modules);
 
 // The actions of global rank `rank` for one step of `micro_batches` micro-batches.
-// `pipelined` takes effect only when the modules are disjoint.
+// `pipelined` takes effect only when the modules are disjoint. `forward_only[e]`: encoder e
+// gets no gradients (empty = every encoder trains).
 std::vector<Action> make_schedule(const std::vector<dist::ModuleLayout>& modules, int64_t rank,
-                                  int64_t micro_batches, bool pipelined);
+                                  int64_t micro_batches, bool pipelined, const std::vector<bool>& forward_only = {});
 
 // Tag of the point-to-point messages of one action's transfer: forward (SA/RA) and backward
 // (SG/RG) of each encoder of each micro-batch get their own.

@@ -10,6 +10,7 @@
 #include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
+#include "dhp/models/qwen2_5_vl/peft.h"
 #include "dhp/train/checkpointing.h"
 #include "dhp/train/evaluation.h"
 #include "dhp/train/flops.h"
@@ -166,12 +167,19 @@ EvalResult Trainer::run() {
   }
   const double train_s = total.seconds();
   if (data_.llava()) report.data_wait(data_wait, train_s, skipped);
-  if (cfg_.output.hf_export) {
+  if (cfg_.output.hf_export || cfg_.output.peft_export) {
     auto full = parallel_->full_parameters();  // collective; complete on rank 0
-    if (main) {
+    if (main && cfg_.output.peft_export) {
+      const auto dir = cfg_.output.dir + "/peft";
+      qwen::save_peft(dir, full, cfg_.lora.spec(), cfg_.model.config, cfg_.model.from);
+      log_info("wrote the LoRA adapters as a PEFT directory: " + dir);
+    }
+    if (main && cfg_.output.hf_export) {
       const auto hf = cfg_.output.dir + "/hf";
+      const auto merged = qwen::merge_lora(full, cfg_.lora.rank > 0 ? cfg_.lora.spec().scale() : 0.0);
       qwen::save_hf(hf, full, cfg_.model.config);
-      log_info("wrote the trained model as a Hugging Face directory: " + hf);
+      log_info("wrote the trained model as a Hugging Face directory: " + hf +
+               (merged > 0 ? " (" + std::to_string(merged) + " LoRA adapters merged into their weights)" : ""));
     }
     parallel_->barrier();
   }

@@ -124,25 +124,35 @@ void ModelConfig::validate() const {
   }
 }
 
-ParamCount count_parameters(const ModelConfig& cfg) {
+ParamSizes parameter_sizes(const ModelConfig& cfg) {
   const auto& v = cfg.vision;
   const auto& t = cfg.text;
-  ParamCount p;
+  ParamSizes s;
   const int64_t hv = v.hidden_size;
-  const int64_t block = 2 * hv                          // norm1, norm2
-                        + hv * 3 * hv + 3 * hv          // qkv
-                        + hv * hv + hv                  // proj
-                        + 2 * (hv * v.intermediate_size + v.intermediate_size)  // gate, up
-                        + v.intermediate_size * hv + hv;                        // down
+  s.patch_embed = hv * v.patch_dim();
+  s.vision_block = 2 * hv                                                 // norm1, norm2
+                   + hv * 3 * hv + 3 * hv                                 // qkv
+                   + hv * hv + hv                                         // proj
+                   + 2 * (hv * v.intermediate_size + v.intermediate_size)  // gate, up
+                   + v.intermediate_size * hv + hv;                       // down
   const int64_t merged = hv * v.spatial_merge_size * v.spatial_merge_size;
-  const int64_t merger = hv + merged * merged + merged + merged * v.out_hidden_size + v.out_hidden_size;
-  p.vision = hv * v.patch_dim() + v.depth * block + merger;
+  s.merger = hv + merged * merged + merged + merged * v.out_hidden_size + v.out_hidden_size;
   const int64_t h = t.hidden_size, kvd = t.num_kv_heads * t.head_dim();
-  const int64_t layer = 2 * h                                   // two norms
-                        + h * h + h + 2 * (h * kvd + kvd)       // q, k, v (bias)
-                        + h * h                                 // o (no bias)
-                        + 3 * h * t.intermediate_size;          // gate, up, down (no bias)
-  p.text = t.vocab_size * h + t.num_layers * layer + h + (t.tie_word_embeddings ? 0 : t.vocab_size * h);
+  s.embed_tokens = t.vocab_size * h;
+  s.text_layer = 2 * h                               // two norms
+                 + h * h + h + 2 * (h * kvd + kvd)   // q, k, v (bias)
+                 + h * h                             // o (no bias)
+                 + 3 * h * t.intermediate_size;      // gate, up, down (no bias)
+  s.norm = h;
+  s.lm_head = t.tie_word_embeddings ? 0 : t.vocab_size * h;
+  return s;
+}
+
+ParamCount count_parameters(const ModelConfig& cfg) {
+  const auto s = parameter_sizes(cfg);
+  ParamCount p;
+  p.vision = s.patch_embed + cfg.vision.depth * s.vision_block + s.merger;
+  p.text = s.embed_tokens + cfg.text.num_layers * s.text_layer + s.norm + s.lm_head;
   return p;
 }
 

@@ -81,6 +81,11 @@ struct ModelConfig {
   void visit(V& v) {
     v.section("vision", vision, "vision tower");
     v.section("text", text, "text decoder");
+    visit_fields(v);
+  }
+  // The fields outside the two sections.
+  template <class V>
+  void visit_fields(V& v) {
     v.field("image_token_id", image_token_id, "<|image_pad|> id");
     v.field("vision_start_token_id", vision_start_token_id, "<|vision_start|> id");
     v.field("vision_end_token_id", vision_end_token_id, "<|vision_end|> id");
@@ -102,5 +107,11 @@ struct ParamCount {
 };
 // Exact parameter count computed from the shapes (no allocation).
 ParamCount count_parameters(const ModelConfig& cfg);
+// The elements of each part (one block or layer each; lm_head 0 when tied).
+struct ParamSizes {
+  int64_t patch_embed = 0, vision_block = 0, merger = 0;
+  int64_t embed_tokens = 0, text_layer = 0, norm = 0, lm_head = 0;
+};
+ParamSizes parameter_sizes(const ModelConfig& cfg);
 
 }  // namespace dhp::qwen

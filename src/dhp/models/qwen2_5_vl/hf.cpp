@@ -283,8 +283,9 @@ std::vector<std::string> unused_hf_tensors(const HfWeights& w, const std::functi
 }
 
 void load_hf_weights(const std::string& dir, Qwen2_5_VLImpl& model) {
-  std::map<std::string, torch::Tensor> params;
-  for (auto& kv : model.named_parameters(true)) params[kv.key()] = kv.value();
+  std::map<std::string, torch::Tensor> params;  // LoRA adapters are not base weights
+  for (auto& kv : model.named_parameters(true))
+    if (!is_lora_parameter(kv.key())) params[kv.key()] = kv.value();
   load_hf_weights(HfWeights(dir), params);
 }
 

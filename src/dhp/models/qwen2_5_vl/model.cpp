@@ -1,5 +1,7 @@
 #include "dhp/models/qwen2_5_vl/model.h"
 
+#include <map>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -130,6 +132,39 @@ Qwen2_5_VLImpl::Output Qwen2_5_VLImpl::forward(const Batch& batch, const torch::
   const auto loss = [this, tgt = tgt](const torch::Tensor& x) { return loss_head(x, tgt, lm_head_weight()); };
   out.loss_sum = model->stage(lm_head ? "lm_head" : "model.embed_tokens", loss, h);
   return out;
+}
+
+int64_t apply_freezing(torch::nn::Module& model, const Freezing& freezing, const ModelConfig& cfg) {
+  int64_t frozen = 0;
+  for (auto& kv : model.named_parameters(true)) {
+    if (freezing.trainable(kv.key(), cfg)) continue;
+    kv.value().set_requires_grad(false);
+    ++frozen;
+  }
+  return frozen;
+}
+
+std::vector<std::string> apply_lora(Qwen2_5_VLImpl& model, const LoraSpec& spec, uint64_t seed) {
+  std::vector<std::string> done;
+  if (!spec.on()) return done;
+  const auto wanted = adapted_linears(model.cfg, spec);
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& kv : model.named_modules("", /*include_self=*/false)) modules[kv.key()] = kv.value();
+  torch::NoGradGuard no_grad;
+  for (const auto& l : wanted) {
+    auto it = modules.find(l.name);
+    DHP_CHECK(it != modules.end(), "LoRA: the model has no module ", l.name);
+    auto* linear = dynamic_cast<dhp::nn::LinearImpl*>(it->second.get());
+    DHP_CHECK(linear != nullptr, "LoRA: ", l.name, " is not a linear layer");
+    linear->add_lora({spec.rank, spec.alpha, spec.dropout});
+    const double bound = 1.0 / std::sqrt(static_cast<double>(linear->lora_a.size(1)));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(name_seed(seed, l.name + ".lora_A.weight"));
+    auto a = torch::empty(linear->lora_a.sizes(), torch::kFloat32);
+    a.uniform_(-bound, bound, gen);
+    linear->lora_a.copy_(a);
+    done.push_back(l.name);
+  }
+  return done;
 }
 
 uint64_t name_seed(uint64_t seed, const std::string& name) {

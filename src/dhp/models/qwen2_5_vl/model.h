@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/models/qwen2_5_vl/freezing.h"
+#include "dhp/models/qwen2_5_vl/lora.h"
 #include "dhp/models/qwen2_5_vl/text.h"
 #include "dhp/models/qwen2_5_vl/vision.h"
 
@@ -83,6 +85,17 @@ TORCH_MODULE(Qwen2_5_VL);
 // (seed, parameter name): the same weights whatever later shards them. Norm weights 1,
 // biases 0, other weights N(0, initializer_range).
 void init_parameters(torch::nn::Module& module, uint64_t seed, double std);
+
+// Marks the parameters `freezing` does not train as not requiring gradients (before any
+// strategy takes them: strategies keep frozen parameters out of gradients, reductions, the
+// norm, the optimizer and checkpoints). Returns how many tensors it froze.
+int64_t apply_freezing(torch::nn::Module& model, const Freezing& freezing, const ModelConfig& cfg);
+
+// Adds `spec`'s adapters (lora.h) to the model's linears (nothing when off): A uniform in
+// +-1/sqrt(in) from one generator per parameter name seeded by `seed` (as init_parameters),
+// B zero, both in the linear's dtype and on its device. Call on the single-process model,
+// before strategies shard it. Returns the adapted module names.
+std::vector<std::string> apply_lora(Qwen2_5_VLImpl& model, const LoraSpec& spec, uint64_t seed);
 
 // 64-bit FNV-1a of a string mixed with a seed.
 uint64_t name_seed(uint64_t seed, const std::string& name);

@@ -68,7 +68,7 @@ torch::Tensor TextModelImpl::forward(torch::Tensor h, const TextAttnInputs& in) 
     auto layer = layers->ptr<DecoderLayerImpl>(i);
     if (runner) {
       h = runner("model.layers." + std::to_string(i), [layer, in](const torch::Tensor& x) { return layer->forward(x, in); }, h);
-    } else if (activation_checkpointing) {
+    } else if (activation_checkpointing && (h.requires_grad() || dhp::nn::has_trainable_parameters(*layer))) {
       h = dhp::nn::checkpoint([layer, in](const torch::Tensor& x) { return layer->forward(x, in); }, h);
     } else {
       h = layer->forward(h, in);

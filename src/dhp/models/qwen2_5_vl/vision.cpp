@@ -233,7 +233,8 @@ torch::Tensor VisionTransformerImpl::forward(const torch::Tensor& patches, const
     // The inputs travel with the function, so a recomputation in backward attends the same way.
     const dhp::nn::StageFn fn = [block, in](const torch::Tensor& x) { return block->forward(x, in); };
     if (runner) h = runner("visual.blocks." + std::to_string(i), fn, h);
-    else if (activation_checkpointing) h = dhp::nn::checkpoint(fn, h);
+    else if (activation_checkpointing && (h.requires_grad() || dhp::nn::has_trainable_parameters(*block)))
+      h = dhp::nn::checkpoint(fn, h);  // (a frozen block before any trainable one records nothing: no need)
     else h = fn(h);
   }
   auto merged = stage("visual.merger", [this](const torch::Tensor& x) { return merger(x); }, h);  // (S/unit, out)
