@@ -8,12 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 frozen='model.vision.freeze=true;model.merger.freeze=true'
 lora="lora.rank=16;lora.alpha=32;lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj];$frozen"
-for n in 2 4; do
+for n in ${DHP_FINETUNE_RANKS:-2 4}; do
   out=bench/results/finetune_${n}rank
   mkdir -p "$out"
+  dhp="parallel.strategy=dhp"
+  [ "$n" = 4 ] && dhp="$dhp;parallel.text.tp=2"  # the bench preset's 2 kv heads: text tp=2 x dp=2
   ./build/dhp bench --set model.preset=bench --set training.precision=bf16 --strategies '' \
-    --point "full:parallel.strategy=dhp" --point "frozen_vision:parallel.strategy=dhp;$frozen" \
-    --point "lora16_text:parallel.strategy=dhp;$lora" \
+    --point "full:$dhp" --point "frozen_vision:$dhp;$frozen" --point "lora16_text:$dhp;$lora" \
     --image-sides 224 --batch-sizes 8 --nproc "$n" --steps 8 --warmup 3 --no-plot \
     --out "runs/bench_finetune_${n}" "$@" | tee "$out/table.md"
   cp "runs/bench_finetune_${n}/results.json" "$out/results.json"

@@ -44,19 +44,20 @@ double text_forward_flops(const qwen::TextConfig& c, const std::vector<int64_t>&
 namespace {
 
 double training_flops(const qwen::ModelConfig& cfg, const std::vector<int64_t>& cu,
-                      const std::vector<qwen::GridTHW>& grids, int64_t targets) {
-  double f = text_forward_flops(cfg.text, cu, targets);
-  if (!grids.empty()) f += vision_forward_flops(cfg.vision, qwen::make_vision_plan(grids, cfg.vision));
-  return 3 * f;
+                      const std::vector<qwen::GridTHW>& grids, int64_t targets, bool vision_forward_only) {
+  const double text = text_forward_flops(cfg.text, cu, targets);
+  const double vision = grids.empty() ? 0.0 : vision_forward_flops(cfg.vision, qwen::make_vision_plan(grids, cfg.vision));
+  return 3 * text + (vision_forward_only ? 1 : 3) * vision;
 }
 
 }  // namespace
 
-double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& b) {
-  return training_flops(cfg, b.cu_seqlens, b.grid_thw, b.num_target_tokens());
+double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& b, bool vision_forward_only) {
+  return training_flops(cfg, b.cu_seqlens, b.grid_thw, b.num_target_tokens(), vision_forward_only);
 }
 
-double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Sample>& samples) {
+double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Sample>& samples,
+                      bool vision_forward_only) {
   std::vector<int64_t> cu{0};
   std::vector<qwen::GridTHW> grids;
   int64_t targets = 0;
@@ -65,7 +66,7 @@ double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Samp
     grids.insert(grids.end(), s.grids.begin(), s.grids.end());
     targets += data::num_targets(s);
   }
-  return training_flops(cfg, cu, grids, targets);
+  return training_flops(cfg, cu, grids, targets, vision_forward_only);
 }
 
 }  // namespace dhp::train

@@ -12,8 +12,11 @@ namespace dhp::train {
 double vision_forward_flops(const qwen::VisionConfig& cfg, const qwen::VisionPlan& plan);
 double text_forward_flops(const qwen::TextConfig& cfg, const std::vector<int64_t>& cu_seqlens,
                           int64_t target_tokens);
-double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& batch);
+// `vision_forward_only`: the vision encoder is frozen whole (fine-tuning) and runs its forward
+// alone, counted once instead of three times.
+double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& batch, bool vision_forward_only = false);
 // The same for the samples of one packed micro-batch, without packing them.
-double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Sample>& samples);
+double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Sample>& samples,
+                      bool vision_forward_only = false);
 
 }  // namespace dhp::train

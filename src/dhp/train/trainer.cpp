@@ -75,7 +75,7 @@ StepMetrics Trainer::train_step() {
       m.tokens += static_cast<int64_t>(s.ids.size());
       for (const auto& g : s.grids) m.patches += g[0] * g[1] * g[2];  // pixels may live on other ranks
     }
-    m.model_flops += training_flops(cfg_.model.config, mb);
+    m.model_flops += training_flops(cfg_.model.config, mb, cfg_.model.freezing.encoder_frozen());
   }
   DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
   const auto fb = parallel_->forward_backward(std::move(micro), static_cast<double>(m.target_tokens));
