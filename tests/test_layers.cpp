@@ -204,6 +204,49 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, FusedLayers, ::testing::Values(torch::kFloat32,
 
 // What a norm keeps for the backward: its input is held by the caller anyway, so beyond
 // the output only the per-row rstd (plain autograd kept ~3 fp32 copies of the activations).
+// LoRA on a linear: y = x W^T + b + alpha/r * x A^T B^T (B zero at first: the base output);
+// with dropout, a checkpointed recomputation replays the forward's masks, so gradients equal
+// the plain run's; evaluation mode draws none.
+TEST(Layers, LoraAdapterByHandAndDropoutReplayedWhenRecomputed) {
+  torch::manual_seed(1);
+  dhp::nn::Linear lin(12, 6, true);
+  const auto x = torch::randn({5, 12});
+  const auto base = lin(x).detach();
+  lin->add_lora({4, 8, 0.0});
+  EXPECT_TRUE(torch::equal(lin(x), base));  // B = 0
+  EXPECT_EQ(lin->named_parameters().size(), 4u);
+  EXPECT_TRUE(lin->named_parameters().contains("lora_A.weight"));
+  {
+    torch::NoGradGuard no_grad;
+    lin->lora_b.normal_();
+  }
+  const auto want = base + torch::matmul(torch::matmul(x, lin->lora_a.t()), lin->lora_b.t()) * 2.0;  // 8 / 4
+  EXPECT_TRUE(torch::allclose(lin(x), want, 1e-5, 1e-6));
+
+  dhp::nn::Linear drop(12, 6, false);
+  drop->add_lora({4, 8, 0.5});
+  ASSERT_TRUE(dhp::nn::random_ops_in_use());
+  {
+    torch::NoGradGuard no_grad;
+    drop->lora_b.normal_();
+  }
+  std::vector<torch::Tensor> grads[2];
+  for (int ck = 0; ck < 2; ++ck) {
+    torch::manual_seed(7);
+    auto xi = x.clone().requires_grad_(true);
+    auto fn = [&](const torch::Tensor& t) { return torch::tanh(drop(t)); };
+    auto y = ck ? dhp::nn::checkpoint(fn, xi) : fn(xi);
+    y.pow(2).sum().backward();
+    grads[ck] = {xi.grad().clone(), drop->lora_a.grad().clone(), drop->lora_b.grad().clone()};
+    drop->zero_grad();
+  }
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(torch::allclose(grads[0][i], grads[1][i], 1e-6, 1e-7)) << i;
+  drop->eval();
+  EXPECT_TRUE(torch::equal(drop(x), drop(x)));  // no dropout in evaluation
+  drop->train();
+  EXPECT_FALSE(torch::equal(drop(x), drop(x)));
+}
+
 TEST(Layers, RMSNormSavesOnlyRowStatistics) {
   dhp::install_memory_accounting();
   dhp::nn::RMSNorm n(256, 1e-6);
