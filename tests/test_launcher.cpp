@@ -20,44 +20,14 @@
 #include "dhp/io/safetensors.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/models/qwen2_5_vl/model.h"
+#include "runs.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Result {
-  int rc = -1;
-  std::string output;
-};
-
-// Runs a shell command line with a hard 120 s limit; stdout and stderr together.
-Result sh(const std::string& cmd) {
-  const fs::path out = fs::temp_directory_path() / ("dhp-launcher-test-" + std::to_string(::getpid()) + ".log");
-  const int status = std::system(("timeout 120 bash -c '" + cmd + "' > " + out.string() + " 2>&1").c_str());
-  Result r;
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream f(out);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  r.output = ss.str();
-  fs::remove(out);
-  return r;
-}
-
-const std::string kTiny =
-    " --set training.steps=3 --set data.batch_size=4 --set data.min_side=56 --set data.max_side=112"
-    " --set data.eval_samples=0 --set parallel.timeout_s=30";
-
-std::vector<double> losses(const fs::path& dir) {
-  std::vector<double> out;
-  std::ifstream f(dir / "metrics.jsonl");
-  std::string line;
-  while (std::getline(f, line)) {
-    const auto p = line.find("\"loss\": ");
-    if (p != std::string::npos) out.push_back(std::stod(line.substr(p + 8)));
-  }
-  return out;
-}
+using dhp::testing::kTiny;
+using dhp::testing::losses;
+using dhp::testing::sh;
 
 fs::path tmpdir(const std::string& name) {
   auto d = fs::temp_directory_path() / ("dhp-launcher-" + std::to_string(::getpid()) + "-" + name);

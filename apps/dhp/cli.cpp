@@ -1,7 +1,15 @@
 #include "cli.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
 #include <string>
+
+#include <torch/version.h>
+
+#include "dhp/core/log.h"
+#include "dhp/dist/comm.h"
 
 namespace dhp::cli {
 
@@ -38,6 +46,21 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& all
       a.faults.push_back(next());
     } else if (f == "--resume") {
       a.resume = true;
+    } else if (f == "--master-addr") {
+      a.nodes.master_addr = next();
+      DHP_CHECK(!a.nodes.master_addr.empty(), "--master-addr needs a host name or address");
+    } else if (f == "--nnodes" || f == "--node-rank" || f == "--master-port") {
+      const int64_t x = parse_int(f, next());
+      if (f == "--nnodes") {
+        DHP_CHECK(x >= 1, "--nnodes expects a positive integer, got ", x);
+        a.nodes.count = x;
+      } else if (f == "--node-rank") {
+        DHP_CHECK(x >= 0, "--node-rank expects a non-negative integer, got ", x);
+        a.nodes.rank = x;
+      } else {
+        DHP_CHECK(x > 0 && x < 65536, "--master-port expects a TCP port (1-65535), got ", x);
+        a.nodes.master_port = static_cast<int>(x);
+      }
     } else if (f == "--nproc" || f == "--max-restarts") {
       const std::string v = next();
       int64_t x = -1;
@@ -55,19 +78,49 @@ Args parse(int argc, char** argv, int first, const std::vector<std::string>& all
   return a;
 }
 
-dhp::train::Runtime worker_runtime(const std::optional<dhp::launch::WorkerEnv>& env, double timeout_s) {
+std::string job_fingerprint(const Config& cfg) {
+  Config resolved = cfg;  // to_yaml visits (non-const)
+  const std::string yaml = to_yaml(resolved);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, 64 bits
+  for (unsigned char c : yaml) h = (h ^ c) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return std::string("dhp ") + DHP_VERSION + " (commit " + DHP_GIT_COMMIT + ", libtorch " + TORCH_VERSION +
+         "), config " + hex;
+}
+
+dhp::train::Runtime worker_runtime(const std::optional<dhp::dist::WorkerEnv>& env, const Config& cfg) {
   dhp::train::Runtime rt;
-  rt.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  rt.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
   if (env) {
-    // The launcher counts the job's restarts in DHP_RESTART (launch.h).
-    if (const char* n = std::getenv("DHP_RESTART"); n && *n) rt.restart = std::atoll(n);
+    // The launcher counts the job's restarts in DHP_RESTART (launch.h), torchrun's agents in
+    // TORCHELASTIC_RESTART_COUNT.
+    for (const char* var : {"DHP_RESTART", "TORCHELASTIC_RESTART_COUNT"}) {
+      if (const char* n = std::getenv(var); n && *n) {
+        rt.restart = std::atoll(n);
+        break;
+      }
+    }
     rt.rank = env->rank;
     rt.world = env->world;
     rt.local_world = env->local_world;
     rt.local_rank = env->local_rank;
     if (rt.world > 1) {
-      rt.store = std::make_shared<dhp::dist::Store>(
-          dhp::dist::make_tcp_store(env->master_addr, env->master_port, rt.world, rt.rank == 0, rt.timeout));
+      auto transport = dhp::dist::process_transport(*env, cfg.parallel.socket_ifname);
+      char name[256] = {};
+      ::gethostname(name, sizeof(name) - 1);
+      const std::string host = std::string(name) + (env->single_host() ? "" : " (" + transport.address + ")");
+      if (env->local_rank == 0 && !env->single_host())
+        log_info("rank " + std::to_string(rt.rank) + " on " + name + ": the job's groups connect over " +
+                 transport.describe() + "; store " + env->master_addr + ":" + std::to_string(env->master_port));
+      // Under an agent store (torchrun's static rendezvous, dhp's own launcher) rank 0 is a
+      // client like the others, under the keys of its attempt.
+      auto store = dhp::dist::make_tcp_store(env->master_addr, env->master_port, rt.world,
+                                             rt.rank == 0 && !env->agent_store, rt.timeout, std::move(transport));
+      if (!env->store_prefix.empty()) store = store.prefixed(env->store_prefix);
+      dhp::dist::check_same_job(store, rt.rank, rt.world, job_fingerprint(cfg), host);
+      rt.store = std::make_shared<dhp::dist::Store>(std::move(store));
+      rt.host = host;
     }
   }
   return rt;

@@ -11,6 +11,8 @@
 
 #include "dhp/core/error.h"
 #include "dhp/train/parallel_model.h"
+#include "dhp/dist/launcher_env.h"
+#include "dhp/train/config.h"
 #include "launch.h"
 
 namespace dhp::cli {
@@ -28,6 +30,7 @@ struct Args {
   bool resume = false;
   int64_t nproc = 1;
   int64_t max_restarts = 0;
+  launch::Nodes nodes;  // --nnodes, --node-rank, --master-addr, --master-port
   std::vector<std::string> faults;  // --inject-fault (dhp train; tests)
 };
 
@@ -68,8 +71,14 @@ class Flags {
 
 // Parses the flags shared by the subcommands among `allowed`; throws dhp::Error on an unknown flag.
 Args parse(int argc, char** argv, int first, const std::vector<std::string>& allowed);
-// The job's rank, world and store from a launcher's environment (one process without one).
-train::Runtime worker_runtime(const std::optional<launch::WorkerEnv>& env, double timeout_s);
+// The job's rank, world and store from a launcher's environment (one process without one):
+// the store (a client of the launcher's under torchrun's agent store, else rank 0 hosts it),
+// the transport of its groups (dist/transport.h, parallel.socket_ifname) and the start-up check
+// that every rank runs the same dhp and config (dist::check_same_job).
+train::Runtime worker_runtime(const std::optional<dist::WorkerEnv>& env, const Config& cfg);
+// What every rank of a job must share: dhp's version, its libtorch, the commit it was
+// configured at, and a hash of the resolved config.
+std::string job_fingerprint(const Config& cfg);
 // An integer flag value / a comma-separated list of them; throws naming the flag.
 int64_t parse_int(const std::string& flag, const std::string& v);
 std::vector<int64_t> parse_int_list(const std::string& flag, const std::string& v);

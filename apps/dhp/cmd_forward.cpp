@@ -95,7 +95,7 @@ int cmd_forward(int argc, char** argv, int first) {
     std::printf("%s", kUsage);
     return 0;
   }
-  const auto env = dhp::launch::worker_env();
+  const auto env = dhp::dist::worker_env();
   if (!env && a.nproc == 1 && a.sets.empty()) {  // one process, the plain model
     const auto cfg = dhp::qwen::read_hf_config(a.model);
     dhp::qwen::Qwen2_5_VL m(cfg);
@@ -110,7 +110,7 @@ int cmd_forward(int argc, char** argv, int first) {
   const int64_t world = env ? env->world : a.nproc;
   const auto layouts = dhp::train::resolve_layouts(cfg, world);  // refused before any worker starts
   if (!env && a.nproc > 1) return dhp::launch::run_workers(a.nproc, std::vector<std::string>(argv, argv + argc));
-  auto rt = worker_runtime(env, cfg.parallel.timeout_s);
+  auto rt = worker_runtime(env, cfg);
   rt.optimizer = false;
   try {
     const auto batch = read_batch(a.inputs, cfg.model.config);
@@ -119,7 +119,7 @@ int cmd_forward(int argc, char** argv, int first) {
     if (rt.rank == 0) write_logits(a.out, logits, " (" + std::to_string(world) + " rank(s): " + dhp::train::describe(layouts) + ")");
     pm.barrier();
   } catch (const std::exception& e) {
-    dhp::launch::report_worker_error(e.what());
+    dhp::launch::report_worker_error(e);
     throw;
   }
   return 0;

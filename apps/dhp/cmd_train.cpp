@@ -52,7 +52,7 @@ train::FaultInjection parse_faults(const std::vector<std::string>& specs) {
 // workers it starts by appending --set overrides to `worker_argv` (ranks started by
 // torchrun, srun or mpirun each choose, deterministically). `calibrate`: measure this
 // machine first when it has no calibration for `world` ranks.
-Config choose_auto(const Config& cfg, int64_t world, const std::optional<launch::WorkerEnv>& env, bool calibrate,
+Config choose_auto(const Config& cfg, int64_t world, const std::optional<dist::WorkerEnv>& env, bool calibrate,
                    std::vector<std::string>& worker_argv) {
   if (calibrate && world > 1 && !std::filesystem::exists(train::auto_calibration_path(world))) {
     log_info("parallel.strategy=auto: no calibration of this machine as " + std::to_string(world) +
@@ -96,11 +96,12 @@ void print_schedule(const Config& cfg, const train::Layouts& layouts, int64_t wo
 int cmd_train(int argc, char** argv, int first) {
   auto a = parse(argc, argv, first,
                  {"--config", "--set", "--out", "--nproc", "--print-schedule", "--resume", "--max-restarts",
-                  "--inject-fault"});
+                  "--inject-fault", "--nnodes", "--node-rank", "--master-addr", "--master-port"});
   if (a.help) {
     std::printf(
         "usage: dhp train [--config FILE] [--set KEY=VALUE]... [--out DIR] [--nproc N] [--resume]\n"
-        "                 [--max-restarts K] [--print-schedule]\n\n"
+        "                 [--max-restarts K] [--print-schedule]\n"
+        "                 [--nnodes M --node-rank R --master-addr HOST [--master-port P]]\n\n"
         "Trains the configured model (default: the demo preset on the built-in shapes task),\n"
         "showing step, loss, tokens/s, ETA and peak memory, then evaluates held-out answers.\n"
         "Writes DIR/metrics.jsonl (one JSON object per step: step, loss, lr, grad_norm,\n"
@@ -110,6 +111,11 @@ int cmd_train(int argc, char** argv, int first) {
         "options:\n%s  --out DIR         run directory (default: output.dir = runs/demo)\n"
         "  --nproc N         start N local worker processes (ranks 0..N-1, rendezvous on a free\n"
         "                    port of 127.0.0.1) and supervise them; one failing stops all\n"
+        "  --nnodes M        a job over M hosts: run the same command on each host with its own\n"
+        "  --node-rank R     --node-rank (0 .. M-1); each starts --nproc workers (ranks R*N .. R*N+N-1)\n"
+        "  --master-addr A   node 0's address, which every host reaches; node 0's launcher hosts the\n"
+        "  --master-port P   job's store there on port P (default 29500). The hosts must see one\n"
+        "                    checkpoint.dir; see docs/multinode.md\n"
         "  --resume          continue from the newest complete checkpoint (checkpoint.resume=auto;\n"
         "                    a damaged one is reported and the previous one used; none: from step 0).\n"
         "                    Any layout or number of ranks loads any checkpoint\n"
@@ -124,7 +130,8 @@ int cmd_train(int argc, char** argv, int first) {
         "                    that step's checkpoint, before the commit; first attempt only)\n\n"
         "Started by torchrun (--no-python), srun or mpirun, dhp reads RANK/WORLD_SIZE (or\n"
         "SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/SIZE) and MASTER_ADDR/MASTER_PORT\n"
-        "and runs as one rank of that job. parallel.strategy chooses the layout (dhp, tp,\n"
+        "(under srun: from SLURM_JOB_NODELIST and the job id when unset) and runs as one rank of\n"
+        "that job. Every rank checks that all run the same dhp and config. parallel.strategy chooses the layout (dhp, tp,\n"
         "zero3, dp, custom); 'dhp config' lists every key with its default.\n",
         kConfigFlags);
     return 0;
@@ -132,11 +139,14 @@ int cmd_train(int argc, char** argv, int first) {
   if (!a.out.empty()) a.sets.push_back("output.dir=" + a.out);
   if (a.resume) a.sets.push_back("checkpoint.resume=auto");
   auto cfg = dhp::load_config(a.config, a.sets);
-  const auto env = dhp::launch::worker_env();
-  const int64_t world = env ? env->world : a.nproc;
+  const auto env = dhp::dist::worker_env();
+  const int64_t world = env ? env->world : a.nproc * a.nodes.count;
   if (!env) DHP_CHECK(a.nproc >= 1, "--nproc must be >= 1, got ", a.nproc);
   std::vector<std::string> worker_argv(argv, argv + argc);
   if (dhp::parse_combination(cfg.parallel.strategy) == dhp::Combination::kAuto) {
+    DHP_CHECK(a.nodes.count == 1 && (!env || env->single_host()),
+              "parallel.strategy=auto plans from this host's calibration and cannot plan a job spanning hosts yet: name "
+              "the layout (parallel.strategy=dhp, tp, zero3, dp or custom)");
     cfg = choose_auto(cfg, world, env, /*calibrate=*/!env && !a.print_schedule, worker_argv);
   }
   const auto layouts = dhp::train::resolve_layouts(cfg, world);  // refuse an impossible layout before any worker starts
@@ -145,12 +155,15 @@ int cmd_train(int argc, char** argv, int first) {
     return 0;
   }
   if (!env) {
-    if (a.nproc > 1 || a.max_restarts > 0) return dhp::launch::run_workers(a.nproc, worker_argv, a.max_restarts);
+    if (a.nproc > 1 || a.max_restarts > 0 || a.nodes.count > 1) {
+      return dhp::launch::run_workers(a.nproc, worker_argv, a.max_restarts, a.nodes,
+                                      std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000)));
+    }
   } else {
-    DHP_CHECK(a.nproc == 1 || a.nproc == env->world, "--nproc ", a.nproc, " but the ", env->launcher,
+    DHP_CHECK(a.nproc == 1 || a.nproc * a.nodes.count == env->world, "--nproc ", a.nproc, " but the ", env->launcher,
               " environment says WORLD_SIZE=", env->world);
   }
-  auto rt = worker_runtime(env, cfg.parallel.timeout_s);
+  auto rt = worker_runtime(env, cfg);
   rt.faults = parse_faults(a.faults);
   // The trainer (and its connections) outlives the handler, so a failing rank records its
   // error before the others see their connections close and fail in turn.
@@ -159,7 +172,7 @@ int cmd_train(int argc, char** argv, int first) {
     trainer = std::make_unique<dhp::train::Trainer>(cfg, rt);
     trainer->run();
   } catch (const std::exception& e) {
-    dhp::launch::report_worker_error(e.what());
+    dhp::launch::report_worker_error(e);
     throw;
   }
   return 0;

@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
     const char* rank = std::getenv("RANK");
     if (rank) std::fprintf(stderr, "dhp: error on rank %s: %s\n", rank, e.what());
     else std::fprintf(stderr, "dhp: error: %s\n", e.what());
-    dhp::launch::report_worker_error(e.what());
+    dhp::launch::report_worker_error(e);
     return 1;
   }
 }

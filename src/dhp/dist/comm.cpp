@@ -29,6 +29,7 @@ namespace dhp::dist {
 
 struct Store::Impl {
   c10::intrusive_ptr<c10d::Store> store;
+  Transport transport;
 };
 
 struct Group::Impl {
@@ -40,14 +41,29 @@ struct Group::Impl {
   torch::Device device{torch::kCPU};          // the group's tensors' device (NCCL: its CUDA device)
   std::mutex mu;                              // guards pending (copies of a Group share it)
   std::vector<std::function<void()>> pending;  // waits of queued sends
+  std::string name;                            // the group's, for errors
 
-  // Runs f on the backend's process group (the same c10d calls exist on both).
+  // Runs f (communication of this group); a failure of the backend (a peer gone, a timeout)
+  // becomes a CommError naming the group.
+  template <class F>
+  auto guarded(F&& f) {
+    try {
+      return f();
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CommError("group '" + name + "': " + e.what());
+    }
+  }
+  // Runs f on the backend's process group (the same c10d calls exist on both), guarded.
   template <class F>
   auto with_pg(F&& f) {
+    return guarded([&] {
 #if DHP_WITH_NCCL
-    if (nccl) return f(*nccl);
+      if (nccl) return f(*nccl);
 #endif
-    return f(*gloo);
+      return f(*gloo);
+    });
   }
 };
 
@@ -133,22 +149,93 @@ bool nccl_available() {
 
 
 Store make_hash_store() {
-  return Store(std::make_shared<Store::Impl>(Store::Impl{c10::make_intrusive<c10d::HashStore>()}));
+  return Store(std::make_shared<Store::Impl>(Store::Impl{c10::make_intrusive<c10d::HashStore>(), {}}));
 }
 
 Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool is_master,
-                     std::chrono::milliseconds timeout) {
+                     std::chrono::milliseconds timeout, Transport transport) {
   c10d::TCPStoreOptions o;
   o.port = static_cast<uint16_t>(port);
   o.isServer = is_master;
-  o.numWorkers = static_cast<std::size_t>(world_size);
+  if (world_size > 0) o.numWorkers = static_cast<std::size_t>(world_size);
+  o.waitWorkers = world_size > 0;
   o.timeout = timeout;
 #if DHP_TORCH_AT_LEAST(2, 3)
   // libtorch 2.x's TCPStore defaults to a libuv server, which Debian's build (and any built
   // without libuv) refuses at the rendezvous; the classic server works in every build.
   o.useLibUV = false;
 #endif
-  return Store(std::make_shared<Store::Impl>(Store::Impl{c10::make_intrusive<c10d::TCPStore>(host, o)}));
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(host, o);
+  } catch (const std::exception& e) {
+    DHP_FAIL(is_master ? "cannot host" : "cannot reach", " the job's store at ", host, ":", port,
+             " (MASTER_ADDR:MASTER_PORT) within ", timeout.count() / 1000, " s: ", e.what());
+  }
+  return Store(std::make_shared<Store::Impl>(Store::Impl{store, std::move(transport)}));
+}
+
+namespace {
+// A store call; a failure (the store's host gone, a timeout) becomes a CommError.
+template <class F>
+auto store_call(const std::string& key, F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    throw CommError("the job's store (key '" + key + "'): " + e.what());
+  }
+}
+}  // namespace
+
+void Store::set(const std::string& key, const std::string& value) const {
+  store_call(key, [&] { impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+}
+
+std::string Store::get(const std::string& key) const {
+  const auto v = store_call(key, [&] { return impl_->store->get(key); });
+  return std::string(v.begin(), v.end());
+}
+
+std::optional<std::string> Store::try_get(const std::string& key) const {
+  if (!store_call(key, [&] { return impl_->store->check({key}); })) return std::nullopt;
+  return get(key);
+}
+
+int64_t Store::add(const std::string& key, int64_t n) const {
+  return store_call(key, [&] { return impl_->store->add(key, n); });
+}
+
+Store Store::prefixed(const std::string& prefix) const {
+  return Store(std::make_shared<Impl>(Impl{c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store), impl_->transport}));
+}
+
+const Transport& Store::transport() const { return impl_->transport; }
+
+void check_same_job(const Store& store, int64_t rank, int64_t world, const std::string& fingerprint,
+                    const std::string& host) {
+  if (world <= 1) return;
+  store.set("dhp/same-job/" + std::to_string(rank), host + "\n" + fingerprint);
+  if (rank == 0) {
+    std::string differ;
+    int64_t count = 0;
+    for (int64_t r = 1; r < world; ++r) {
+      const auto v = store.get("dhp/same-job/" + std::to_string(r));
+      const auto nl = v.find('\n');
+      if (v.substr(nl + 1) == fingerprint) continue;
+      if (++count <= 8) differ += "\n  rank " + std::to_string(r) + " on " + v.substr(0, nl) + ": " + v.substr(nl + 1);
+    }
+    std::string verdict;
+    if (count > 0) {
+      verdict = std::to_string(count) + " rank(s) run another dhp or another config than rank 0 (on " + host +
+                ": " + fingerprint + "):" + differ + (count > 8 ? "\n  ..." : "") +
+                "\nevery host must run the same dhp build with the same config and --set overrides";
+    }
+    store.set("dhp/same-job/verdict", verdict);
+    DHP_CHECK(verdict.empty(), verdict);
+    return;
+  }
+  const auto verdict = store.get("dhp/same-job/verdict");
+  DHP_CHECK(verdict.empty(), verdict);
 }
 
 Group::Group() = default;
@@ -187,6 +274,7 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
   if (ranks_.size() == 1 && backend != Backend::kNccl) return;  // NCCL: connected even alone (a smoke test)
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dhp/" + name, store.impl()->store);
   impl_ = std::make_shared<Impl>();
+  impl_->name = name;
   impl_->timeout = timeout;
   impl_->device = device;
   if (backend == Backend::kNccl) {
@@ -209,7 +297,13 @@ Group::Group(const Store& store, const std::string& name, std::vector<int64_t> r
 #endif
   } else {
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    const auto& transport = store.transport();
+    if (transport.interfaces.empty()) {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(transport.address));
+    } else {
+      for (const auto& i : transport.interfaces)
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(i));
+    }
     opts->threads = 1;
     impl_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(rank_),
                                                               static_cast<int>(size()), opts);
@@ -313,12 +407,12 @@ void Group::barrier() const {
     // barrier guesses a device from the rank).
     auto t = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat32).device(impl_->device));
     std::vector<torch::Tensor> v{t};
-    impl_->nccl->allreduce(v)->wait();
+    impl_->guarded([&] { impl_->nccl->allreduce(v)->wait(); });
     (void)t.cpu();
     return;
   }
 #endif
-  impl_->gloo->barrier()->wait();
+  impl_->guarded([&] { impl_->gloo->barrier()->wait(); });
 }
 
 void Group::send(const torch::Tensor& t, int64_t dst, int64_t tag) const {
@@ -354,8 +448,7 @@ void Group::recv(torch::Tensor& t, int64_t src, int64_t tag) const {
   }
   CommTimer timer(bytes_of(t), torch::kCPU);
   std::vector<torch::Tensor> v{as_bits(t)};
-  auto work = impl_->gloo->recv(v, static_cast<int>(src), static_cast<int>(tag));
-  work->wait(impl_->timeout);
+  impl_->guarded([&] { impl_->gloo->recv(v, static_cast<int>(src), static_cast<int>(tag))->wait(impl_->timeout); });
 }
 
 void Group::exchange(const std::vector<std::pair<torch::Tensor, int64_t>>& sends,
@@ -399,7 +492,9 @@ void Group::wait_sends() const {
     pending.swap(impl_->pending);
   }
   CommTimer timer(0, torch::kCPU);
-  for (auto& w : pending) w();
+  impl_->guarded([&] {
+    for (auto& w : pending) w();
+  });
 }
 
 }  // namespace dhp::dist

@@ -18,17 +18,41 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "dhp/core/error.h"
+#include "dhp/dist/transport.h"
+
 namespace dhp::dist {
 
-// Shared key-value store all ranks of a job meet through (opaque handle).
+// Communication that failed because a peer or the store went away or did not answer in
+// time: a consequence of a failure elsewhere more often than a cause (the launcher tells
+// them apart when it names the rank that failed).
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Shared key-value store all ranks of a job meet through (opaque handle), and the transport
+// its Groups connect over (loopback unless made otherwise).
 class Store {
  public:
   struct Impl;
   explicit Store(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   const std::shared_ptr<Impl>& impl() const { return impl_; }
+
+  void set(const std::string& key, const std::string& value) const;
+  // Waits for the key up to the store's timeout (throws after it).
+  std::string get(const std::string& key) const;
+  // The value if the key is there now, else nullopt (no waiting).
+  std::optional<std::string> try_get(const std::string& key) const;
+  // Adds n to a counter (created at 0) and returns the new value: the first caller gets n.
+  int64_t add(const std::string& key, int64_t n) const;
+  // The same store seen under `prefix` (keys of one attempt of a restarted job).
+  Store prefixed(const std::string& prefix) const;
+  const Transport& transport() const;
 
  private:
   std::shared_ptr<Impl> impl_;
@@ -36,9 +60,17 @@ class Store {
 
 // In-process store shared by threads (tests run ranks as threads).
 Store make_hash_store();
-// TCP store: rank 0 (`is_master`) listens on host:port, the others connect.
+// TCP store on host:port: `is_master` listens (on every interface: c10d's TCPStore binds the
+// wildcard address), the others connect; `world_size` counts the clients the master waits
+// for (0: do not wait). Its Groups use `transport`.
 Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool is_master,
-                     std::chrono::milliseconds timeout);
+                     std::chrono::milliseconds timeout, Transport transport = {});
+
+// Start-up check that every rank runs the same job: each rank posts `fingerprint` (dhp's
+// version and the resolved config's hash) with its host; rank 0 compares them and every
+// rank throws dhp::Error naming the ranks and hosts that differ from rank 0.
+void check_same_job(const Store& store, int64_t rank, int64_t world, const std::string& fingerprint,
+                    const std::string& host);
 
 // Time, calls and bytes sent (input sizes) of the collectives this thread has run (ranks are
 // processes or, in tests, threads); differences between two reads measure a step. Work on

@@ -412,16 +412,13 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   const auto& fz = w.freezing;
   const Backward patch_bwd = fz.trainable("visual.patch_embed.proj.weight", model) ? kFullBackward : kNoBackward;
   // LoRA's adapters in a part: every layer there runs a backward (the adapters' gradients).
-  auto adapted = [&](const char* part) {
-    return w.lora.on() && std::find(w.lora.modules.begin(), w.lora.modules.end(), part) != w.lora.modules.end();
-  };
-  const auto block_bwd = backward_of_layers(v.depth, patch_bwd != kNoBackward || adapted("vision"), [&](int64_t l) {
+  const auto block_bwd = backward_of_layers(v.depth, patch_bwd != kNoBackward || w.lora.adapts("vision"), [&](int64_t l) {
     return fz.trainable("visual.blocks." + std::to_string(l) + ".attn.qkv.weight", model);
   });
   int64_t blocks_bwd = 0;  // blocks that keep activations for a backward
   for (auto m : block_bwd) blocks_bwd += m != kNoBackward ? 1 : 0;
   const Backward merger_bwd = fz.trainable("visual.merger.mlp.0.weight", model) ? kFullBackward
-                              : blocks_bwd > 0 || adapted("merger")            ? kInputGrad
+                              : blocks_bwd > 0 || w.lora.adapts("merger")            ? kInputGrad
                                                                                : kNoBackward;
   // Window layers: pairs of each window, weighted by the kernel's rate at its length relative
   // to the rate at a whole image's (so that one attention() call at that rate charges them).
@@ -539,9 +536,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   // Fine-tuning: what of the decoder runs backward (all of it while the encoder trains).
   const auto& fz = w.freezing;
   const bool embed_trains = fz.trainable("model.embed_tokens.weight", m);
-  const bool text_adapted =
-      w.lora.on() && std::find(w.lora.modules.begin(), w.lora.modules.end(), "text") != w.lora.modules.end();
-  const auto layer_bwd = backward_of_layers(tc.num_layers, embed_trains || !fz.encoder_frozen() || text_adapted, [&](int64_t l) {
+  const auto layer_bwd = backward_of_layers(tc.num_layers, embed_trains || !fz.encoder_frozen() || w.lora.adapts("text"), [&](int64_t l) {
     return fz.trainable("model.layers." + std::to_string(l) + ".mlp.up_proj.weight", m);
   });
   int64_t layers_bwd = 0;

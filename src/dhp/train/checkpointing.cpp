@@ -7,9 +7,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <random>
+#include <sstream>
 
 #include "dhp/core/log.h"
+#include "dhp/dist/comm.h"
 #include "dhp/core/machine.h"
 #include "dhp/io/checkpoint_store.h"
 #include "dhp/io/json.h"
@@ -153,6 +157,52 @@ Restored load_checkpoint(ParallelModel& model, const std::string& dir) {
     gen.set_state(r.read_full("rng/cpu"));
   }
   return out;
+}
+
+void check_shared_checkpoint_dir(const Config& cfg, const Runtime& rt) {
+  namespace fs = std::filesystem;
+  const auto& c = cfg.checkpoint;
+  if (rt.world <= 1 || !rt.store || rt.local_world <= 0 || rt.local_world >= rt.world) return;
+  if (c.every <= 0 && !c.at_end && c.resume.empty()) return;  // no checkpoint is written or read
+  const fs::path root = checkpoint_root(cfg);
+  const auto& store = *rt.store;
+  const bool first_of_host = rt.local_rank == 0;
+  const auto key = [](const char* what, int64_t r) { return std::string("dhp/shared-dir/") + what + "/" + std::to_string(r); };
+  const auto probe = [&](int64_t r) { return root / (".dhp-host-of-rank-" + std::to_string(r)); };
+  std::string token;
+  if (first_of_host) {
+    std::random_device rd;
+    token = std::to_string(rd()) + "-" + std::to_string(rd()) + "\n" + rt.host;
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    std::ofstream(probe(rt.rank)) << token;
+  }
+  store.set(key("token", rt.rank), token);
+  std::string problem;
+  for (int64_t r = 0; r < rt.world && first_of_host; ++r) {
+    const auto theirs = store.get(key("token", r));
+    if (r == rt.rank || theirs.empty()) continue;
+    std::ifstream f(probe(r));
+    std::stringstream seen;
+    seen << f.rdbuf();
+    if (seen.str() != theirs && problem.empty()) {
+      problem = "checkpoint.dir " + root.string() + " is not one directory for every host of the job: " + rt.host +
+                " (rank " + std::to_string(rt.rank) + ") cannot see the file that " + theirs.substr(theirs.find('\n') + 1) +
+                " (rank " + std::to_string(r) + ") wrote there (" + probe(r).string() + "). Every host must see the same " +
+                "directory (a shared file system), or a checkpoint written by the job could never be loaded";
+    }
+  }
+  store.set(key("verdict", rt.rank), problem);
+  std::string first_problem;
+  for (int64_t r = 0; r < rt.world; ++r) {
+    const auto v = store.get(key("verdict", r));
+    if (first_problem.empty()) first_problem = v;
+  }
+  if (first_of_host) {
+    std::error_code ec;
+    fs::remove(probe(rt.rank), ec);
+  }
+  DHP_CHECK(first_problem.empty(), first_problem);
 }
 
 std::optional<Restored> resume(ParallelModel& model, const Config& cfg) {

@@ -31,5 +31,10 @@ Restored load_checkpoint(ParallelModel& model, const std::string& dir);
 // under checkpoint_root(cfg), falling back to older ones when one is unusable. Rank 0's
 // listing decides so that every rank tries the same. Empty when nothing was loaded.
 std::optional<Restored> resume(ParallelModel& model, const Config& cfg);
+// A job spanning hosts (rt.local_world < rt.world) that saves or resumes checkpoints needs a
+// checkpoint directory every host sees: the first rank of each host writes a file there,
+// each reads the others', and all ranks throw dhp::Error naming a host that cannot see
+// another's file. Collective over the job (through rt.store); nothing on one host.
+void check_shared_checkpoint_dir(const Config& cfg, const Runtime& rt);
 
 }  // namespace dhp::train

@@ -171,6 +171,7 @@ struct ParallelOptions {
   std::string strategy = "none";
   std::string backend = "auto";  // auto | nccl | gloo (see train::place_rank)
   double timeout_s = 300;  // collective / rendezvous timeout
+  std::string socket_ifname;  // interfaces of a multi-host job's Gloo groups ("" = derived)
   bool pipeline = true;    // pipeline micro-batches between disjoint vision and text ranks
   ModuleParallelOptions vision, text;
   template <class V>
@@ -184,6 +185,10 @@ struct ParallelOptions {
             "or gloo (on CUDA: through host copies, so that ranks may share a GPU; for tests). Host bookkeeping "
             "(loss sums, counts, barriers) always runs on a small Gloo group");
     v.field("timeout_s", timeout_s, "seconds a collective or the rendezvous may wait before the job fails");
+    v.field("socket_ifname", socket_ifname,
+            "network interfaces (comma-separated) the Gloo groups of a job spanning hosts connect over; empty: the "
+            "interface on the route to MASTER_ADDR. GLOO_SOCKET_IFNAME, set per host, wins. A job on one host "
+            "stays on loopback");
     v.field("pipeline", pipeline,
             "when vision and text run on disjoint ranks, encode micro-batch i+1 while the text ranks work on i "
             "(false: one after the other)");

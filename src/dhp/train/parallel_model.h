@@ -62,6 +62,7 @@ struct Runtime {
   std::chrono::milliseconds timeout{300000};
   bool optimizer = true;               // false: forward only (no optimizer state is allocated)
   int64_t restart = 0;                 // restarts of the job so far (the launcher's count)
+  std::string host;                    // this host, for messages ("name (address)" across hosts)
   FaultInjection faults;               // tests only; none by default
 };
 

@@ -25,6 +25,7 @@ Trainer::Trainer(const Config& cfg, const Runtime& rt) : cfg_(cfg), rt_(rt), dat
   const int64_t share = std::max<int64_t>(1, static_cast<int64_t>(hw) / std::max<int64_t>(1, local));
   torch::set_num_threads(static_cast<int>(cfg_.training.threads > 0 ? cfg_.training.threads : share));
   set_device_memory_limit(resolve_device(cfg_, rt_), parse_bytes(cfg_.training.memory_limit, "training.memory_limit"));
+  check_shared_checkpoint_dir(cfg_, rt_);
   parallel_ = std::make_unique<ParallelModel>(cfg_, resolve_layouts(cfg_, rt_.world), rt_);
   if (const auto r = train::resume(*parallel_, cfg_)) {
     step_ = r->step;

@@ -89,7 +89,7 @@ std::vector<AdaptableLinear> adapted_linears(const ModelConfig& cfg, const LoraS
               names_there(all, parts));
   }
   for (const auto& l : all) {
-    if (!parts.count(l.part)) continue;
+    if (!spec.adapts(l.part)) continue;
     for (const auto& target : spec.targets) {
       if (lora_target_matches(target, l.name)) {
         out.push_back(l);

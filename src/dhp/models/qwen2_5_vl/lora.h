@@ -29,6 +29,13 @@ struct LoraSpec {
   std::vector<std::string> modules;  // parts: vision, merger, text
   bool on() const { return rank > 0; }
   double scale() const { return alpha / static_cast<double>(rank); }
+  // Does LoRA adapt linears of `part` (vision, merger, text)?
+  bool adapts(const std::string& part) const {
+    if (!on()) return false;
+    for (const auto& m : modules)
+      if (m == part) return true;
+    return false;
+  }
 };
 
 // A linear that can take an adapter: its Hugging Face module name (no ".weight"), its part,
