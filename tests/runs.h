@@ -2,6 +2,7 @@
 // the losses a run wrote, and the flags of a tiny 3-step training run.
 #pragma once
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>

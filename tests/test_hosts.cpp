@@ -249,4 +249,59 @@ TEST(Mpirun, OneHostTrainsLikeDhpsLauncher) {
   fs::remove_all(mpi);
 }
 
+// Slurm on this machine: a controller and a node daemon of the test's own (a config in a
+// temporary directory, ports of its own, the system's munged), then `srun -n 2 dhp train`:
+// dhp takes its ranks from SLURM_PROCID / SLURM_NTASKS, MASTER_ADDR from SLURM_JOB_NODELIST
+// (this host's name) and MASTER_PORT from the job id, and trains like `dhp train --nproc 2`.
+TEST(Slurm, SrunTrainsLikeDhpsLauncher) {
+  if (std::system("command -v slurmctld slurmd srun munge > /dev/null 2>&1") != 0)
+    GTEST_SKIP() << "no Slurm here (Debian's slurm-wlm)";
+  const auto dir = fs::temp_directory_path() / ("dhp-slurm-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "state");
+  fs::create_directories(dir / "spool");
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  const int port = 16000 + (::getpid() % 400) * 2;
+  {
+    std::ofstream c(dir / "slurm.conf");
+    c << "ClusterName=dhptest\nSlurmctldHost=" << name << "(127.0.0.1)\nSlurmctldPort=" << port
+      << "\nSlurmdPort=" << port + 1 << "\nSlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
+      << "StateSaveLocation=" << (dir / "state").string() << "\nSlurmdSpoolDir=" << (dir / "spool").string()
+      << "\nSlurmctldPidFile=" << (dir / "ctld.pid").string() << "\nSlurmdPidFile=" << (dir / "d.pid").string()
+      << "\nSlurmctldLogFile=" << (dir / "ctld.log").string() << "\nSlurmdLogFile=" << (dir / "d.log").string()
+      << "\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nMpiDefault=none\n"
+      << "SchedulerType=sched/builtin\nSelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
+      << "JobCompType=jobcomp/none\nAccountingStorageType=accounting_storage/none\nReturnToService=2\n"
+      << "NodeName=" << name << " NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n"
+      << "PartitionName=dhp Nodes=" << name << " Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE\n";
+  }
+  const std::string conf = "export SLURM_CONF=" + (dir / "slurm.conf").string() + "\n";
+  // munged: the system's, started when it is not running.
+  auto up = sh("munge -n > /dev/null 2>&1 || { mkdir -p /run/munge && chown munge:munge /run/munge && "
+               "su -s /bin/sh munge -c /usr/sbin/munged; sleep 1; }\nmunge -n | unmunge > /dev/null\n" + conf +
+               "slurmctld && slurmd || exit 1\nfor i in $(seq 100); do sinfo -h -o %t 2>/dev/null | grep -q idle && exit 0; "
+               "sleep 0.2; done; exit 1");
+  auto stop = [&] {
+    sh("kill $(cat " + (dir / "d.pid").string() + " " + (dir / "ctld.pid").string() + " 2>/dev/null) 2>/dev/null; true");
+  };
+  if (up.rc != 0) {
+    const std::string why = up.output + dhp::testing::slurp(dir / "ctld.log") + dhp::testing::slurp(dir / "d.log");
+    stop();
+    GTEST_SKIP() << "Slurm's daemons do not start here: " << why;
+  }
+  const auto own = dir / "own", slurm = dir / "run";
+  auto a = sh(std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dp" + kTiny + " --out " + own.string());
+  auto b = sh(conf + "srun -n 2 -O bash -c 'echo task $SLURM_PROCID of $SLURM_NTASKS on $SLURM_JOB_NODELIST job " +
+              "$SLURM_JOB_ID; exec \"$0\" \"$@\"' " + DHP_BINARY + " train --set parallel.strategy=dp" + kTiny +
+              " --out " + slurm.string());
+  stop();
+  ASSERT_EQ(a.rc, 0) << a.output;
+  ASSERT_EQ(b.rc, 0) << b.output;
+  EXPECT_NE(b.output.find("task 1 of 2 on " + std::string(name)), std::string::npos) << b.output;
+  EXPECT_EQ(losses(slurm).size(), 3u) << b.output;
+  EXPECT_EQ(losses(slurm), losses(own));
+  fs::remove_all(dir);
+}
+
 }  // namespace
