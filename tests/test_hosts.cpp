@@ -53,18 +53,36 @@ class TwoHosts : public ::testing::Test {
                 " addr add " + subnet_ + ".1/24 dev " + va + "; ip -n " + b_ + " addr add " + subnet_ + ".2/24 dev " +
                 vb + "; for n in " + a_ + " " + b_ + "; do ip -n $n link set lo up; done; ip -n " + a_ + " link set " +
                 va + " up; ip -n " + b_ + " link set " + vb + " up");
+    // Host names for the namespaces (the test gives each command its own UTS namespace and
+    // name where a launcher reads it: torchrun's c10d rendezvous hands the workers the name of
+    // its first agent's host as MASTER_ADDR); `ip netns exec` mounts /etc/netns/NS/hosts over
+    // /etc/hosts, as a cluster's DNS would resolve them.
+    for (const auto& ns : {a_, b_}) {
+      fs::create_directories("/etc/netns/" + ns);
+      std::ofstream("/etc/netns/" + ns + "/hosts") << "127.0.0.1 localhost\n" << subnet_ << ".1 " << name_a() << "\n"
+                                                   << subnet_ << ".2 " << name_b() << "\n";
+    }
     if (r.rc != 0) {
       skip_ = "cannot make two network namespaces here (needs root and iproute2): " + r.output;
       std::fprintf(stderr, "TwoHosts: SKIPPED: %s\n", skip_.c_str());
     }
     vb_ = vb;
   }
-  static void TearDownTestSuite() { sh("ip netns del " + a_ + " 2>/dev/null; ip netns del " + b_ + " 2>/dev/null; true"); }
+  static void TearDownTestSuite() {
+    sh("ip netns del " + a_ + " 2>/dev/null; ip netns del " + b_ + " 2>/dev/null; rm -rf /etc/netns/" + a_ +
+       " /etc/netns/" + b_ + "; true");
+  }
   void SetUp() override {
     if (!skip_.empty()) GTEST_SKIP() << skip_;
   }
 
   static std::string master() { return subnet_ + ".1"; }
+  static std::string name_a() { return "dhp-host-a" + std::to_string(::getpid() % 100000); }
+  static std::string name_b() { return "dhp-host-b" + std::to_string(::getpid() % 100000); }
+  // Runs the rest of the command line under `name` as the host name (a UTS namespace of its own).
+  static std::string named(const std::string& name) {
+    return "unshare -u bash -c 'hostname " + name + " && exec \"$0\" \"$@\"' ";
+  }
   // `dhp train` on both hosts, 2 ranks each; `extra_b` is added on host B only, `wrap_b` runs
   // B's command (as "$@"). Waits for both; rc is the sum of their exit codes; the output has
   // host A's lines, then host B's.
@@ -230,6 +248,29 @@ TEST_F(TwoHosts, TorchrunOnBothHostsAndItsRestarts) {
       << k.output;
   EXPECT_EQ(losses(killed), want) << k.output;
   for (const auto& d : {local, hosts, killed}) fs::remove_all(d);
+}
+
+// torchrun's c10d rendezvous across the hosts: the agents meet at host A's endpoint, agree
+// on MASTER_ADDR (host A's name) and a port, and dhp's rank 0 hosts the job's store there.
+TEST_F(TwoHosts, TorchrunWithTheC10dRendezvous) {
+  if (!fs::exists("/usr/bin/torchrun")) GTEST_SKIP() << "no /usr/bin/torchrun (Debian's python3-torch)";
+  const auto local = tmp("c10l"), hosts = tmp("c10h");
+  const std::string job = " --set parallel.strategy=zero3" + kTiny;
+  auto l = sh(std::string(DHP_BINARY) + " train --nproc 4" + job + " --out " + local.string());
+  ASSERT_EQ(l.rc, 0) << l.output;
+  const std::string cmd = "/usr/bin/torchrun --redirects 2 --tee 2 --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d "
+                          "--rdzv_id dhp-test --rdzv_endpoint " + master() + ":" + std::to_string(32000 + ::getpid() % 1000) +
+                          " --no_python " + DHP_BINARY + " train" + job + " --out " + hosts.string();
+  auto h = sh("ip netns exec " + a_ + " " + named(name_a()) + cmd + " > " + hosts.string() + ".a.log 2>&1 & a=$!\n" +
+              "ip netns exec " + b_ + " " + named(name_b()) + cmd + " > " + hosts.string() + ".b.log 2>&1; rb=$?\nwait $a; ra=$?\ncat " + hosts.string() +
+              ".a.log; echo ----; cat " + hosts.string() + ".b.log\nexit $((ra + rb))");
+  ASSERT_EQ(h.rc, 0) << h.output;
+  EXPECT_NE(h.output.find("on " + name_b() + ": the job's groups connect over address " + subnet_ + ".2"),
+            std::string::npos) << h.output;
+  EXPECT_EQ(losses(hosts), losses(local)) << h.output;
+  EXPECT_EQ(losses(hosts).size(), 3u);
+  fs::remove_all(local);
+  fs::remove_all(hosts);
 }
 
 // mpirun (Open MPI) on one host: its variables name the ranks, MASTER_ADDR defaults to
