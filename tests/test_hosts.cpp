@@ -92,8 +92,8 @@ class TwoHosts : public ::testing::Test {
     const std::string p = std::to_string(port ? port : 29000 + (::getpid() % 500) * 2 + 1000 * (++calls % 20));
     const std::string base = std::string(DHP_BINARY) + " train --nproc 2 --nnodes 2 --master-addr " + master() +
                              " --master-port " + p + args + " --out " + out.string();
-    return sh("ip netns exec " + a_ + " " + base + " --node-rank 0 > " + out.string() + ".a.log 2>&1 & a=$!\n" +
-              "ip netns exec " + b_ + " " + wrap_b + " " + base + " --node-rank 1" + extra_b + " > " + out.string() +
+    return sh("ip netns exec " + a_ + " " + named(name_a()) + base + " --node-rank 0 > " + out.string() +
+              ".a.log 2>&1 & a=$!\n" + "ip netns exec " + b_ + " " + named(name_b()) + wrap_b + " " + base + " --node-rank 1" + extra_b + " > " + out.string() +
               ".b.log 2>&1; rb=$?\nwait $a; ra=$?\ncat " + out.string() + ".a.log; echo ----; cat " + out.string() +
               ".b.log\nexit $((ra + rb))");
   }
@@ -134,21 +134,28 @@ TEST_F(TwoHosts, StrategiesGiveTheLossesOfFourLocalRanks) {
   }
 }
 
-TEST_F(TwoHosts, AKilledRankEndsTheJobOnBothHostsAndIsNamed) {
-  const auto out = tmp("kill");
-  const auto t0 = std::chrono::steady_clock::now();
-  auto r = two_host_run(kDhp + " --inject-fault kill:3:2" + kTiny, out);
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_NE(r.rc, 0) << r.output;
-  EXPECT_NE(r.rc, 124) << "hung:\n" << r.output;
-  EXPECT_LT(took, 60) << r.output;  // well within the 30 s collective timeout plus start-up
-  const std::string named = "rank 3 on ";
-  const std::string host_b = "(" + subnet_ + ".2) failed (killed by signal";
-  const auto a = dhp::testing::slurp(out.string() + ".a.log"), b = dhp::testing::slurp(out.string() + ".b.log");
-  EXPECT_NE(a.find(named), std::string::npos) << "host A:\n" << a;
-  EXPECT_NE(a.find(host_b), std::string::npos) << "host A:\n" << a;
-  EXPECT_NE(b.find(host_b), std::string::npos) << "host B:\n" << b;
-  fs::remove_all(out);
+// A rank on host B killed, then one that throws: both hosts exit non-zero at once, and both
+// name that rank, its host and its error (host A's own ranks only lost their connections).
+TEST_F(TwoHosts, AFailedRankEndsTheJobOnBothHostsAndIsNamed) {
+  const std::vector<std::pair<std::string, std::string>> faults = {
+      {" --inject-fault kill:3:2", "rank 3 on " + name_b() + " (" + subnet_ + ".2) failed (killed by signal"},
+      {" --inject-fault fail:2:2", "rank 2 on " + name_b() + " (" + subnet_ + ".2) failed (exit code 1): injected "
+                                   "failure on rank 2 at step 2"}};
+  for (const auto& [fault, cause] : faults) {
+    const auto out = tmp("fail");
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = two_host_run(kDhp + fault + kTiny, out);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_NE(r.rc, 0) << r.output;
+    EXPECT_NE(r.rc, 124) << "hung:\n" << r.output;
+    EXPECT_LT(took, 60) << r.output;  // well within the 30 s collective timeout plus start-up
+    const auto a = dhp::testing::slurp(out.string() + ".a.log"), b = dhp::testing::slurp(out.string() + ".b.log");
+    EXPECT_NE(a.find("dhp: " + cause), std::string::npos) << fault << " host A:\n" << a;
+    EXPECT_NE(a.find("stopped the workers on this host"), std::string::npos) << fault << " host A:\n" << a;
+    EXPECT_NE(b.find("dhp: " + cause), std::string::npos) << fault << " host B:\n" << b;
+    EXPECT_LT(losses(out).size(), 2u);
+    fs::remove_all(out);
+  }
 }
 
 TEST_F(TwoHosts, ALinkDownMidRunEndsBothHostsWithinTheTimeout) {
@@ -179,7 +186,7 @@ TEST_F(TwoHosts, AnotherConfigOnOneHostIsRefusedAtStartUp) {
   const auto a = dhp::testing::slurp(out.string() + ".a.log"), b = dhp::testing::slurp(out.string() + ".b.log");
   for (const auto& log : {a, b}) {
     EXPECT_NE(log.find("run another dhp or another config than rank 0"), std::string::npos) << log;
-    EXPECT_NE(log.find("rank 2 on "), std::string::npos) << log;
+    EXPECT_NE(log.find("rank 2 on " + name_b() + " (" + subnet_ + ".2): dhp "), std::string::npos) << log;
   }
   EXPECT_EQ(losses(out).size(), 0u);
   fs::remove_all(out);
