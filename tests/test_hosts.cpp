@@ -257,6 +257,71 @@ TEST_F(TwoHosts, TorchrunOnBothHostsAndItsRestarts) {
   for (const auto& d : {local, hosts, killed}) fs::remove_all(d);
 }
 
+// Slurm over both hosts: the test's controller and a node daemon on host A, a node daemon on
+// host B (each under its host's name; entered with nsenter so that the daemons keep this
+// machine's cgroup mounts), then `srun -N 2 -n 4` from host A: dhp takes MASTER_ADDR from
+// SLURM_JOB_NODELIST (host A's name), the port from the job id and the tasks per node from
+// SLURM_STEP_TASKS_PER_NODE ("2(x2)"), and trains like 4 local ranks.
+TEST_F(TwoHosts, SrunOverBothHosts) {
+  if (std::system("command -v slurmctld slurmd srun munge nsenter > /dev/null 2>&1") != 0)
+    GTEST_SKIP() << "no Slurm here (Debian's slurm-wlm)";
+  const auto dir = tmp("slurm");
+  fs::create_directories(dir / "state");
+  for (const auto& n : {name_a(), name_b()}) fs::create_directories(dir / ("spool-" + n));
+  const int port = 18000 + (::getpid() % 400) * 2;
+  {
+    std::ofstream c(dir / "slurm.conf");
+    c << "ClusterName=dhptest2\nSlurmctldHost=" << name_a() << "(" << master() << ")\nSlurmctldPort=" << port
+      << "\nSlurmdPort=" << port + 1 << "\nSlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
+      << "StateSaveLocation=" << (dir / "state").string() << "\nSlurmdSpoolDir=" << dir.string() << "/spool-%n"
+      << "\nSlurmctldPidFile=" << (dir / "ctld.pid").string() << "\nSlurmdPidFile=" << dir.string() << "/d-%n.pid"
+      << "\nSlurmctldLogFile=" << (dir / "ctld.log").string() << "\nSlurmdLogFile=" << dir.string() << "/d-%n.log"
+      << "\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nMpiDefault=none\n"
+      << "SchedulerType=sched/builtin\nSelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
+      << "JobCompType=jobcomp/none\nAccountingStorageType=accounting_storage/none\nReturnToService=2\n"
+      << "NodeName=" << name_a() << " NodeAddr=" << master() << " CPUs=2 State=UNKNOWN\n"
+      << "NodeName=" << name_b() << " NodeAddr=" << subnet_ << ".2 CPUs=2 State=UNKNOWN\n"
+      << "PartitionName=dhp Nodes=" << name_a() << "," << name_b()
+      << " Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE\n";
+  }
+  // Runs `script` (a file) on a host: its network, its name, its /etc/hosts.
+  auto on = [&](const std::string& ns, const std::string& name, const std::string& script) {
+    return "nsenter --net=/run/netns/" + ns + " unshare -m -u --propagation private bash -c 'mount --bind /etc/netns/" +
+           ns + "/hosts /etc/hosts && hostname " + name + " && exec bash " + script + "'";
+  };
+  const std::string conf = "export SLURM_CONF=" + (dir / "slurm.conf").string() + "\n";
+  std::ofstream(dir / "a.sh") << conf << "slurmctld && slurmd -N " << name_a() << "\n";
+  std::ofstream(dir / "b.sh") << conf << "slurmd -N " << name_b() << "\n";
+  std::ofstream(dir / "wait.sh") << conf << "for i in $(seq 100); do [ \"$(sinfo -h -o %t | sort -u)\" = idle ] && exit 0; "
+                                 << "sleep 0.2; done; sinfo; exit 1\n";
+  const auto run = dir / "run", local = dir / "local";
+  std::ofstream(dir / "srun.sh") << conf << "srun -N 2 -n 4 --ntasks-per-node 2 -O " << DHP_BINARY
+                                 << " train --set parallel.strategy=zero3" << kTiny << " --out " << run.string() << "\n";
+  auto up = sh("munge -n > /dev/null 2>&1 || { mkdir -p /run/munge && chown munge:munge /run/munge && "
+               "su -s /bin/sh munge -c /usr/sbin/munged; sleep 1; }\n" + on(a_, name_a(), (dir / "a.sh").string()) +
+               " && " + on(b_, name_b(), (dir / "b.sh").string()) + " && " + on(a_, name_a(), (dir / "wait.sh").string()));
+  auto stop = [&] {
+    sh("kill $(cat " + dir.string() + "/d-*.pid " + (dir / "ctld.pid").string() + " 2>/dev/null) 2>/dev/null; true");
+  };
+  if (up.rc != 0) {
+    const std::string why = up.output + dhp::testing::slurp(dir / "ctld.log");
+    stop();
+    GTEST_SKIP() << "Slurm's daemons do not start on the two hosts here: " << why;
+  }
+  auto b = sh(on(a_, name_a(), (dir / "srun.sh").string()));
+  stop();
+  auto l = sh(std::string(DHP_BINARY) + " train --nproc 4 --set parallel.strategy=zero3" + kTiny + " --out " +
+              local.string());
+  ASSERT_EQ(l.rc, 0) << l.output;
+  ASSERT_EQ(b.rc, 0) << b.output;
+  EXPECT_NE(b.output.find("rank 2 on " + name_b() + ": the job's groups connect over address " + subnet_ + ".2; store " +
+                          name_a() + ":"),
+            std::string::npos) << b.output;
+  EXPECT_EQ(losses(run).size(), 3u) << b.output;
+  EXPECT_EQ(losses(run), losses(local));
+  fs::remove_all(dir);
+}
+
 // torchrun's c10d rendezvous across the hosts: the agents meet at host A's endpoint, agree
 // on MASTER_ADDR (host A's name) and a port, and dhp's rank 0 hosts the job's store there.
 TEST_F(TwoHosts, TorchrunWithTheC10dRendezvous) {
