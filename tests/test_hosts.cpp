@@ -345,6 +345,31 @@ TEST_F(TwoHosts, TorchrunWithTheC10dRendezvous) {
   fs::remove_all(hosts);
 }
 
+// A job of dhp's launcher on one host stays on loopback: every TCP socket of its processes
+// (listening or connected), sampled while it trains, is on 127.0.0.1 (the store is a file;
+// Gloo's pairs bind 127.0.0.1).
+TEST(OneHost, ListensOnLoopbackOnly) {
+  if (std::system("command -v ss > /dev/null 2>&1") != 0) GTEST_SKIP() << "no ss (iproute2)";
+  const auto out = fs::temp_directory_path() / ("dhp-loopback-" + std::to_string(::getpid()));
+  auto r = sh(std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dhp" + kTiny +
+              " --set training.steps=40 --out " + out.string() + " > /dev/null 2>&1 & job=$!\n" +
+              "while kill -0 $job 2>/dev/null; do ss -Htanp | grep '\"dhp\"'; sleep 0.1; done\nwait $job");
+  EXPECT_EQ(r.rc, 0) << r.output;
+  int sockets = 0;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("\"dhp\"") == std::string::npos) continue;
+    ++sockets;
+    std::istringstream fields(line);
+    std::string state, recv_q, send_q, local, peer;
+    fields >> state >> recv_q >> send_q >> local >> peer;
+    EXPECT_EQ(local.rfind("127.0.0.1:", 0), 0u) << "beyond loopback: " << line;
+    if (state != "LISTEN") EXPECT_EQ(peer.rfind("127.0.0.1:", 0), 0u) << "beyond loopback: " << line;
+  }
+  EXPECT_GT(sockets, 0) << "no socket of the job was seen while it ran:\n" << r.output;
+  fs::remove_all(out);
+}
+
 // mpirun (Open MPI) on one host: its variables name the ranks, MASTER_ADDR defaults to
 // loopback there, and the job trains like dhp's own launcher.
 TEST(Mpirun, OneHostTrainsLikeDhpsLauncher) {

@@ -115,8 +115,12 @@ dhp::train::Runtime worker_runtime(const std::optional<dhp::dist::WorkerEnv>& en
                  transport.describe() + "; store " + env->master_addr + ":" + std::to_string(env->master_port));
       // Under an agent store (torchrun's static rendezvous, dhp's own launcher) rank 0 is a
       // client like the others, under the keys of its attempt.
-      auto store = dhp::dist::make_tcp_store(env->master_addr, env->master_port, rt.world,
-                                             rt.rank == 0 && !env->agent_store, rt.timeout, std::move(transport));
+      // dhp's launcher on one host: a store file (nothing listens); otherwise c10d's TCPStore.
+      const char* file = std::getenv("DHP_STORE_FILE");
+      auto store = file && *file && env->single_host()
+                       ? dhp::dist::make_file_store(file, rt.world)
+                       : dhp::dist::make_tcp_store(env->master_addr, env->master_port, rt.world,
+                                                   rt.rank == 0 && !env->agent_store, rt.timeout, std::move(transport));
       if (!env->store_prefix.empty()) store = store.prefixed(env->store_prefix);
       dhp::dist::check_same_job(store, rt.rank, rt.world, job_fingerprint(cfg), host);
       rt.store = std::make_shared<dhp::dist::Store>(std::move(store));

@@ -183,7 +183,8 @@ std::vector<std::string> worker_environment(const std::vector<std::pair<std::str
     for (const auto& [n, v] : set) replaced = replaced || n == name;
     if (!replaced) out.push_back(kv);
   }
-  for (const auto& [n, v] : set) out.push_back(n + "=" + v);
+  for (const auto& [n, v] : set)
+    if (!v.empty()) out.push_back(n + "=" + v);  // empty: unset
   return out;
 }
 
@@ -219,6 +220,8 @@ std::vector<pid_t> start_workers(const Job& job, const std::vector<std::string>&
         {"DHP_LAUNCHED", "1"},
         {"DHP_RESTART", std::to_string(restart)},
         {"DHP_ERROR_FILE", (errdir / ("rank" + std::to_string(r))).string()},
+        // One host: the workers meet through a file of this attempt (nothing listens).
+        {"DHP_STORE_FILE", job.nodes.count == 1 ? (errdir / "store").string() : ""},
     }));
   }
   if (job.nodes.count > 1) {
@@ -227,9 +230,13 @@ std::vector<pid_t> start_workers(const Job& job, const std::vector<std::string>&
                  static_cast<long long>(job.nproc), static_cast<long long>(job.first_rank()),
                  static_cast<long long>(job.first_rank() + job.nproc - 1), addr.c_str(), job.port);
   } else {
-    std::fprintf(stderr, "dhp: starting %lld workers (rendezvous 127.0.0.1:%d)\n", static_cast<long long>(job.nproc),
-                 job.port);
+    std::fprintf(stderr, "dhp: starting %lld workers (store %s)\n", static_cast<long long>(job.nproc),
+                 (errdir / "store").c_str());
   }
+  // This binary by its own path (not /proc/self/exe), so that the workers are named dhp in ps.
+  std::error_code ec;
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  const char* exe = ec || self.empty() ? "/proc/self/exe" : self.c_str();
   std::vector<pid_t> pids;
   for (int64_t r = 0; r < job.nproc; ++r) {
     std::vector<char*> envp;
@@ -238,7 +245,7 @@ std::vector<pid_t> start_workers(const Job& job, const std::vector<std::string>&
     const pid_t pid = ::fork();
     DHP_CHECK(pid >= 0, "fork failed for rank ", job.first_rank() + r, ": ", std::strerror(errno));
     if (pid == 0) {
-      ::execve("/proc/self/exe", args.data(), envp.data());
+      ::execve(exe, args.data(), envp.data());
       static const char msg[] = "dhp: cannot start a worker (execve failed)\n";
       (void)!::write(2, msg, sizeof(msg) - 1);
       ::_exit(127);
@@ -440,15 +447,19 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv, int64_t max
   ::gethostname(name, sizeof(name) - 1);
   job.host = name;
   if (nodes.count > 1) job.host += " (" + dist::local_address_towards(nodes.master_addr) + ")";
-  // The job's store lives in this launcher on node 0 (the workers connect as clients), so that
-  // it outlives any worker and the launchers of other hosts can read a failure's cause.
-  LauncherStore store(nodes, job.port, timeout);
-  if (nodes.count > 1) store.meet(nproc, job.host);
+  // Several hosts: the job's store lives in node 0's launcher (the workers connect as clients),
+  // so that it outlives any worker and the launchers of other hosts can read a failure's cause.
+  // One host: a store file per attempt (start_workers), and no launcher store.
+  std::unique_ptr<LauncherStore> store;
+  if (nodes.count > 1) {
+    store = std::make_unique<LauncherStore>(nodes, job.port, timeout);
+    store->meet(nproc, job.host);
+  }
   auto args = argv;
   for (int64_t restart = 0;; ++restart) {
     bool worker_failed = false;
-    const int rc = run_attempt(job, args, restart, &store, worker_failed);
-    if (rc == 0) store.finish();
+    const int rc = run_attempt(job, args, restart, store.get(), worker_failed);
+    if (rc == 0 && store) store->finish();
     if (rc == 0 || !worker_failed || restart >= max_restarts) {
       if (rc != 0 && worker_failed && max_restarts > 0) {
         std::fprintf(stderr, "dhp: giving up after %lld restart(s) (--max-restarts %lld)\n",

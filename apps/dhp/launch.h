@@ -2,16 +2,17 @@
 //
 // Launcher (`--nproc N`, no rank in the environment): starts N copies of this binary with
 // torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
-// MASTER_ADDR, MASTER_PORT) and hosts the job's store itself, as torchrun's agent does
-// (TORCHELASTIC_USE_AGENT_STORE=True: every worker connects as a client, under the keys of
-// its attempt), waits for them, and when one fails (non-zero exit or signal) stops the others
+// MASTER_ADDR, MASTER_PORT) and a store file of their attempt (DHP_STORE_FILE: on one host
+// nothing listens on a socket but Gloo's pairs on 127.0.0.1), waits for them, and when one fails (non-zero exit or signal) stops the others
 // (SIGTERM, then SIGKILL after a grace period), prints which rank failed with its error, and
 // returns non-zero, or, with --max-restarts K, restarts the whole job from the newest complete
 // checkpoint up to K times. SIGINT or SIGTERM to the launcher stops every worker (and is never
 // restarted).
 //
 // Several hosts (`--nnodes M --node-rank R --master-addr A`): one launcher per host; node 0's
-// hosts the store on A:--master-port, the others connect to it, check that every node runs
+// hosts the job's TCPStore on A:--master-port, as torchrun's agent does
+// (TORCHELASTIC_USE_AGENT_STORE=True: every worker connects as a client, under the keys of
+// its attempt), the others connect to it, check that every node runs
 // the same --nproc and that no node rank is taken twice, and start ranks R*N .. R*N+N-1. A
 // failure on one host is posted to the store: the launchers of the other hosts stop their
 // workers and name the rank, its host and its error.

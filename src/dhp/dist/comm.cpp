@@ -1,5 +1,6 @@
 #include "dhp/dist/comm.h"
 
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -186,6 +187,16 @@ auto store_call(const std::string& key, F&& f) {
   }
 }
 }  // namespace
+
+Store make_file_store(const std::string& path, int64_t world_size) {
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::FileStore>(path, static_cast<int>(world_size));
+  } catch (const std::exception& e) {
+    DHP_FAIL("cannot open the job's store file ", path, ": ", e.what());
+  }
+  return Store(std::make_shared<Store::Impl>(Store::Impl{store, {}}));
+}
 
 void Store::set(const std::string& key, const std::string& value) const {
   store_call(key, [&] { impl_->store->set(key, std::vector<uint8_t>(value.begin(), value.end())); });

@@ -66,6 +66,10 @@ Store make_hash_store();
 Store make_tcp_store(const std::string& host, int port, int64_t world_size, bool is_master,
                      std::chrono::milliseconds timeout, Transport transport = {});
 
+// File store: the ranks of one host meet through a file (no socket at all); `world_size`
+// processes open it. dhp's own launcher uses it for jobs on one host.
+Store make_file_store(const std::string& path, int64_t world_size);
+
 // Start-up check that every rank runs the same job: each rank posts `fingerprint` (dhp's
 // version and the resolved config's hash) with its host; rank 0 compares them and every
 // rank throws dhp::Error naming the ranks and hosts that differ from rank 0.
