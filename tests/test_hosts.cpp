@@ -66,6 +66,7 @@ class TwoHosts : public ::testing::Test {
       skip_ = "cannot make two network namespaces here (needs root and iproute2): " + r.output;
       std::fprintf(stderr, "TwoHosts: SKIPPED: %s\n", skip_.c_str());
     }
+    va_ = va;
     vb_ = vb;
   }
   static void TearDownTestSuite() {
@@ -95,7 +96,7 @@ class TwoHosts : public ::testing::Test {
     return sh("ip netns exec " + a_ + " " + named(name_a()) + base + " --node-rank 0 > " + out.string() +
               ".a.log 2>&1 & a=$!\n" + "ip netns exec " + b_ + " " + named(name_b()) + wrap_b + " " + base + " --node-rank 1" + extra_b + " > " + out.string() +
               ".b.log 2>&1; rb=$?\nwait $a; ra=$?\ncat " + out.string() + ".a.log; echo ----; cat " + out.string() +
-              ".b.log\nexit $((ra + rb))");
+              ".b.log\necho \"host A exit $ra, host B exit $rb\"\nexit $((ra + rb))");
   }
   static fs::path tmp(const std::string& name) {
     auto d = fs::temp_directory_path() / ("dhp-hosts-" + std::to_string(::getpid()) + "-" + name);
@@ -103,9 +104,9 @@ class TwoHosts : public ::testing::Test {
     return d;
   }
 
-  static std::string a_, b_, vb_, subnet_, skip_;
+  static std::string a_, b_, va_, vb_, subnet_, skip_;
 };
-std::string TwoHosts::a_, TwoHosts::b_, TwoHosts::vb_, TwoHosts::subnet_, TwoHosts::skip_;
+std::string TwoHosts::a_, TwoHosts::b_, TwoHosts::va_, TwoHosts::vb_, TwoHosts::subnet_, TwoHosts::skip_;
 
 TEST_F(TwoHosts, StrategiesGiveTheLossesOfFourLocalRanks) {
   const std::vector<std::string> layouts = {
@@ -137,12 +138,15 @@ TEST_F(TwoHosts, StrategiesGiveTheLossesOfFourLocalRanks) {
 // A rank on host B killed, then one that throws: both hosts exit non-zero at once, and both
 // name that rank, its host and its error (host A's own ranks only lost their connections).
 TEST_F(TwoHosts, AFailedRankEndsTheJobOnBothHostsAndIsNamed) {
+  // The status of the rank that threw may be its exit code or, when its launcher stopped it
+  // while it was still exiting, SIGTERM: its error is what names it.
   const std::vector<std::pair<std::string, std::string>> faults = {
-      {" --inject-fault kill:3:2", "rank 3 on " + name_b() + " (" + subnet_ + ".2) failed (killed by signal"},
-      {" --inject-fault fail:2:2", "rank 2 on " + name_b() + " (" + subnet_ + ".2) failed (exit code 1): injected "
-                                   "failure on rank 2 at step 2"}};
-  for (const auto& [fault, cause] : faults) {
-    const auto out = tmp("fail");
+      {" --inject-fault kill:3:2", "(killed by signal Killed)"},
+      {" --inject-fault fail:2:2", "): injected failure on rank 2 at step 2"}};
+  for (const auto& [fault, what] : faults) {
+    const std::string rank = fault.find("kill") != std::string::npos ? "3" : "2";
+    const std::string cause = "dhp: rank " + rank + " on " + name_b() + " (" + subnet_ + ".2) failed (";
+    const auto out = tmp("fail" + rank);
     const auto t0 = std::chrono::steady_clock::now();
     auto r = two_host_run(kDhp + fault + kTiny, out);
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -150,9 +154,13 @@ TEST_F(TwoHosts, AFailedRankEndsTheJobOnBothHostsAndIsNamed) {
     EXPECT_NE(r.rc, 124) << "hung:\n" << r.output;
     EXPECT_LT(took, 60) << r.output;  // well within the 30 s collective timeout plus start-up
     const auto a = dhp::testing::slurp(out.string() + ".a.log"), b = dhp::testing::slurp(out.string() + ".b.log");
-    EXPECT_NE(a.find("dhp: " + cause), std::string::npos) << fault << " host A:\n" << a;
+    for (const auto* log : {&a, &b}) {
+      const auto at = log->find(cause);
+      EXPECT_NE(at, std::string::npos) << fault << " (rc " << r.rc << ") host " << (log == &a ? "A" : "B") << ":\n"
+                                       << *log;
+      if (at != std::string::npos) EXPECT_NE(log->find(what, at), std::string::npos) << fault << ":\n" << *log;
+    }
     EXPECT_NE(a.find("stopped the workers on this host"), std::string::npos) << fault << " host A:\n" << a;
-    EXPECT_NE(b.find("dhp: " + cause), std::string::npos) << fault << " host B:\n" << b;
     EXPECT_LT(losses(out).size(), 2u);
     fs::remove_all(out);
   }
@@ -176,6 +184,32 @@ TEST_F(TwoHosts, ALinkDownMidRunEndsBothHostsWithinTheTimeout) {
   EXPECT_LT(std::stoi(r.output.substr(took + 5)), 10 + 30) << "the collective timeout is 10 s";
   EXPECT_GE(losses(out).size(), 2u);
   EXPECT_LT(losses(out).size(), 200u);
+  fs::remove_all(out);
+}
+
+// GLOO_SOCKET_IFNAME, set per host to that host's own interface name, is what the groups
+// use; a name the host does not have is refused naming the interfaces it has.
+TEST_F(TwoHosts, GlooSocketIfnameNamesEachHostsInterface) {
+  const auto out = tmp("ifname");
+  auto r = sh("export GLOO_SOCKET_IFNAME=" + va_ + "; ip netns exec " + a_ + " " + named(name_a()) + DHP_BINARY +
+              " train --nproc 2 --nnodes 2 --node-rank 0 --master-addr " + master() + " --master-port " +
+              std::to_string(30500 + ::getpid() % 400) + " --set parallel.strategy=dp" + kTiny + " --out " + out.string() +
+              " > " + out.string() + ".a.log 2>&1 & a=$!\nexport GLOO_SOCKET_IFNAME=" + vb_ + "; ip netns exec " + b_ +
+              " " + named(name_b()) + DHP_BINARY + " train --nproc 2 --nnodes 2 --node-rank 1 --master-addr " + master() +
+              " --master-port " + std::to_string(30500 + ::getpid() % 400) + " --set parallel.strategy=dp" + kTiny +
+              " --out " + out.string() + " > " + out.string() + ".b.log 2>&1; rb=$?\nwait $a; ra=$?\nexit $((ra + rb))");
+  const auto b = dhp::testing::slurp(out.string() + ".b.log");
+  EXPECT_EQ(r.rc, 0) << r.output << b;
+  EXPECT_NE(b.find("the job's groups connect over interface " + vb_ + " (" + subnet_ + ".2)"), std::string::npos) << b;
+  EXPECT_EQ(losses(out).size(), 3u);
+  // One rank of host B (as a launcher would start it), with a name host B does not have.
+  r = sh("GLOO_SOCKET_IFNAME=eth9 RANK=2 WORLD_SIZE=4 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=" + master() +
+         " ip netns exec " + b_ + " " + DHP_BINARY + " train --set parallel.strategy=dp" + kTiny + " --out " +
+         out.string());
+  EXPECT_NE(r.rc, 0);
+  EXPECT_NE(r.output.find("GLOO_SOCKET_IFNAME=eth9: this host has no interface 'eth9' with an IPv4 address; it has "),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(vb_ + " (" + subnet_ + ".2)"), std::string::npos) << r.output;
   fs::remove_all(out);
 }
 
@@ -353,12 +387,15 @@ TEST(OneHost, ListensOnLoopbackOnly) {
   const auto out = fs::temp_directory_path() / ("dhp-loopback-" + std::to_string(::getpid()));
   auto r = sh(std::string(DHP_BINARY) + " train --nproc 2 --set parallel.strategy=dhp" + kTiny +
               " --set training.steps=40 --out " + out.string() + " > /dev/null 2>&1 & job=$!\n" +
-              "while kill -0 $job 2>/dev/null; do ss -Htanp | grep '\"dhp\"'; sleep 0.1; done\nwait $job");
+              "while kill -0 $job 2>/dev/null; do\n" +
+              // this job's processes only (the launcher and its workers), not other tests' dhp
+              "  p=\"$job$(pgrep -P $job | sed 's/^/|/' | tr -d '\\n')\"; ss -Htanp | grep -E \"pid=($p),\"; sleep 0.1\n" +
+              "done\nwait $job");
   EXPECT_EQ(r.rc, 0) << r.output;
   int sockets = 0;
   std::istringstream lines(r.output);
   for (std::string line; std::getline(lines, line);) {
-    if (line.find("\"dhp\"") == std::string::npos) continue;
+    if (line.find("pid=") == std::string::npos) continue;
     ++sockets;
     std::istringstream fields(line);
     std::string state, recv_q, send_q, local, peer;
