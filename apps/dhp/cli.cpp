@@ -1,7 +1,5 @@
 #include "cli.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -107,9 +105,11 @@ dhp::train::Runtime worker_runtime(const std::optional<dhp::dist::WorkerEnv>& en
     rt.local_rank = env->local_rank;
     if (rt.world > 1) {
       auto transport = dhp::dist::process_transport(*env, cfg.parallel.socket_ifname);
-      char name[256] = {};
-      ::gethostname(name, sizeof(name) - 1);
-      const std::string host = std::string(name) + (env->single_host() ? "" : " (" + transport.address + ")");
+      const std::string name = dhp::launch::host_name();
+      // Named by the address its groups use (the first named interface's, when named).
+      const std::string address =
+          transport.interfaces.empty() ? transport.address : dhp::dist::interface_address(transport.interfaces[0]);
+      const std::string host = name + (env->single_host() ? "" : " (" + address + ")");
       if (env->local_rank == 0 && !env->single_host())
         log_info("rank " + std::to_string(rt.rank) + " on " + name + ": the job's groups connect over " +
                  transport.describe() + "; store " + env->master_addr + ":" + std::to_string(env->master_port));

@@ -1,9 +1,6 @@
 #include "launch.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,20 +35,6 @@ std::optional<int64_t> env_int(const char* name) {
   return x;
 }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  DHP_CHECK(fd >= 0, "cannot open a socket to find a free port: ", std::strerror(errno));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
-  ::close(fd);
-  DHP_CHECK(ok, "cannot find a free port on 127.0.0.1: ", std::strerror(errno));
-  return ntohs(a.sin_port);
-}
 
 volatile sig_atomic_t g_stop_signal = 0;
 void on_signal(int sig) { g_stop_signal = sig; }
@@ -70,6 +53,12 @@ std::string read_file(const std::filesystem::path& p) {
 }
 
 }  // namespace
+
+std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
+}
 
 void report_worker_error(const std::string& message, bool lost_peer) {
   const char* path = std::getenv("DHP_ERROR_FILE");
@@ -191,7 +180,7 @@ std::vector<std::string> worker_environment(const std::vector<std::pair<std::str
 struct Job {
   int64_t nproc = 1;
   Nodes nodes;
-  int port = 0;
+  int port = 0;      // the store's, on several hosts (0 on one host: a store file)
   std::string host;  // this host, for messages
   int64_t first_rank() const { return nodes.rank * nproc; }
   int64_t world() const { return nodes.count * nproc; }
@@ -214,7 +203,7 @@ std::vector<pid_t> start_workers(const Job& job, const std::vector<std::string>&
         {"LOCAL_WORLD_SIZE", std::to_string(job.nproc)},
         {"GROUP_RANK", std::to_string(job.nodes.rank)},
         {"MASTER_ADDR", addr},
-        {"MASTER_PORT", std::to_string(job.port)},
+        {"MASTER_PORT", job.port > 0 ? std::to_string(job.port) : ""},
         {"TORCHELASTIC_USE_AGENT_STORE", "True"},
         {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
         {"DHP_LAUNCHED", "1"},
@@ -440,12 +429,10 @@ int run_workers(int64_t nproc, const std::vector<std::string>& argv, int64_t max
     job.port = nodes.master_port;
   } else if (std::getenv("MASTER_PORT")) {
     job.port = static_cast<int>(*env_int("MASTER_PORT"));
-  } else {
-    job.port = nodes.count > 1 ? 29500 : free_port();
-  }
-  char name[256] = {};
-  ::gethostname(name, sizeof(name) - 1);
-  job.host = name;
+  } else if (nodes.count > 1) {
+    job.port = 29500;
+  }  // one host: the workers meet through a file, no port
+  job.host = host_name();
   if (nodes.count > 1) job.host += " (" + dist::local_address_towards(nodes.master_addr) + ")";
   // Several hosts: the job's store lives in node 0's launcher (the workers connect as clients),
   // so that it outlives any worker and the launchers of other hosts can read a failure's cause.

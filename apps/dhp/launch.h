@@ -45,6 +45,9 @@ struct Nodes {
 int run_workers(int64_t nproc, const std::vector<std::string>& argv, int64_t max_restarts = 0, const Nodes& nodes = {},
                 std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
+// This machine's host name (gethostname), for messages that name a host.
+std::string host_name();
+
 // Workers write their final error here (path in DHP_ERROR_FILE, set by the launcher) so
 // that the launcher can report it. `lost_peer`: the error is a broken connection to another
 // rank (a consequence of a failure elsewhere, not its cause).
