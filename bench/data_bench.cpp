@@ -9,7 +9,11 @@
 // hits both: the table gives the median and the range, the CPU time per sample (process
 // CPU clock: what the work costs, steadier than wall time), and the median of the rounds'
 // 2-worker / 1-worker ratios.
-//   ./build/dhp-bench-data [--num N] [--repeats R] [--dir DIR] [--tokenizer FILE]
+//
+// --video measures the video path instead: the moving task's clips written as H.264 files
+// (32 frames at 8 fps, square sides 224 and 448), each read with FFmpeg, 8 frames sampled at
+// 2 fps, resized (none, or to half the area), cut into patches: clips/s and CPU ms per clip.
+//   ./build/dhp-bench-data [--video] [--num N] [--repeats R] [--dir DIR] [--tokenizer FILE]
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -56,32 +60,42 @@ int main(int argc, char** argv) {
     int64_t num = 64, repeats = 5;
     fs::path base = fs::temp_directory_path();
     std::string tokenizer = "third_party/qwen-tokenizer/tokenizer.json";
+    bool video = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--num" && i + 1 < argc) num = std::stoll(argv[++i]);
       else if (a == "--repeats" && i + 1 < argc) repeats = std::stoll(argv[++i]);
       else if (a == "--dir" && i + 1 < argc) base = argv[++i];
       else if (a == "--tokenizer" && i + 1 < argc) tokenizer = argv[++i];
-      else DHP_FAIL("usage: dhp-bench-data [--num N] [--repeats R] [--dir DIR] [--tokenizer FILE]; unknown argument '", a,
-                    "'");
+      else if (a == "--video") video = true;
+      else DHP_FAIL("usage: dhp-bench-data [--video] [--num N] [--repeats R] [--dir DIR] [--tokenizer FILE]; unknown "
+                    "argument '", a, "'");
     }
     torch::set_num_threads(1);
     auto tok = std::make_shared<const dhp::data::Tokenizer>(dhp::data::Tokenizer::from_file(tokenizer));
     DHP_CHECK(num > 0 && repeats > 0, "--num and --repeats must be > 0");
-    std::printf("dhp-bench-data: %lld samples per run, %lld rounds, %u cores; median (min-max) over the rounds\n",
-                static_cast<long long>(num), static_cast<long long>(repeats), std::thread::hardware_concurrency());
+    std::printf("dhp-bench-data: %lld %s per run, %lld rounds, %u cores; median (min-max) over the rounds\n",
+                static_cast<long long>(num), video ? "clips" : "samples", static_cast<long long>(repeats),
+                std::thread::hardware_concurrency());
     std::printf("%-5s %-10s %-7s %-22s %9s %10s %12s %10s\n", "side", "resize", "workers", "samples/s", "in MB/s",
                 "out MB/s", "CPU ms/sample", "2w/1w");
-    for (int64_t side : {448, 896}) {
+    for (int64_t side : video ? std::vector<int64_t>{224, 448} : std::vector<int64_t>{448, 896}) {
       const fs::path dir = base / ("dhp-bench-data-" + std::to_string(::getpid()) + "-" + std::to_string(side));
       dhp::data::ShapesOptions so;
       so.min_side = so.max_side = side;
+      if (video) {
+        so.frames = 32;
+        so.fps = 8;
+      }
       dhp::data::write_synthetic(dir.string(), num, dhp::qwen::preset("demo"), so);
       int64_t in_bytes = 0;
-      for (const auto& e : fs::directory_iterator(dir / "images")) in_bytes += static_cast<int64_t>(e.file_size());
+      for (const auto& e : fs::directory_iterator(dir / (video ? "videos" : "images"))) {
+        in_bytes += static_cast<int64_t>(e.file_size());
+      }
       {  // warm-up: the page cache holds the files and the tokenizer's piece cache is filled
         dhp::data::LoaderOptions o;
         o.datasets.push_back({(dir / "train.jsonl").string(), "", 1.0});
+        o.video.min_pixels = 3136;
         dhp::data::Loader warm(std::make_shared<dhp::data::LlavaDataset>(o, tok), 0, 0, 1, 2, 16);
         for (int64_t i = 0; i < num; ++i) warm.next();
       }
@@ -89,6 +103,8 @@ int main(int argc, char** argv) {
         dhp::data::LoaderOptions o;
         o.datasets.push_back({(dir / "train.jsonl").string(), "", 1.0});
         o.image.max_pixels = half ? side * side / 2 : o.image.max_pixels;
+        o.video.min_pixels = 3136;
+        o.video.max_pixels = half ? static_cast<double>(side * side / 2) : static_cast<double>(side * side);
         auto data = std::make_shared<dhp::data::LlavaDataset>(o, tok);
         auto pass = [&](int64_t workers) {
           dhp::data::Loader loader(data, 0, 0, 1, workers, 16);

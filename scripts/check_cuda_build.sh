@@ -49,8 +49,24 @@ find_cudnn() {
   [ -n "$f" ] && dirname "$f"
 }
 
+# Packages added after a root was made: installed into it on the next run.
+later_packages=(pkg-config libavformat-dev libavcodec-dev libswscale-dev libavutil-dev)
+
 make_root() {
-  if [ -f "$croot/.dhp-root-ready" ]; then log "root ready: $croot"; return; fi
+  if [ -f "$croot/.dhp-root-ready" ]; then
+    local missing=()
+    for p in "${later_packages[@]}"; do
+      in_root dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+      log "installing into the root: ${missing[*]}"
+      in_root apt-get update >>"$croot/apt.log" 2>&1
+      in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" \
+        >>"$croot/apt.log" 2>&1 || { log "apt-get install failed: $croot/apt.log"; exit 1; }
+    fi
+    log "root ready: $croot"
+    return
+  fi
   command -v debootstrap >/dev/null || { apt-get update -qq; apt-get install -y -qq debootstrap; }
   if [ ! -x "$croot/usr/bin/apt-get" ]; then
     log "debootstrap trixie into $croot"
@@ -84,7 +100,7 @@ EOF
   in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
     libtorch-cuda-dev nvidia-cuda-toolkit nvidia-cuda-dev libnccl-dev libgloo-cuda-dev \
     build-essential cmake ninja-build ccache libopenblas0-openmp libyaml-cpp-dev libgtest-dev \
-    gnuplot-nox libicu-dev libjpeg62-turbo-dev libpng-dev iproute2 procps python3 >>"$croot/apt.log" 2>&1 || { log "apt-get install failed: $croot/apt.log"; tail -20 "$croot/apt.log"; exit 1; }
+    gnuplot-nox libicu-dev libjpeg62-turbo-dev libpng-dev iproute2 procps python3 "${later_packages[@]}" >>"$croot/apt.log" 2>&1 || { log "apt-get install failed: $croot/apt.log"; tail -20 "$croot/apt.log"; exit 1; }
   in_root ldconfig
   touch "$croot/.dhp-root-ready"
   log "root ready: $croot"

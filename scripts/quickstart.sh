@@ -11,12 +11,14 @@ case "$mode" in demo|test|build) ;; *) echo "usage: $0 demo|test|build" >&2; exi
 
 # libtorch 1.13 (CPU) with c10d's Gloo headers, a fast BLAS (without OpenBLAS libtorch falls
 # back to the reference BLAS, ~20x slower), yaml-cpp, GoogleTest, ccache, gnuplot (dhp bench's plot),
-# ICU (Unicode classes and NFC for the tokenizer), libjpeg and libpng (image decoding), npm
+# ICU (Unicode classes and NFC for the tokenizer), libjpeg and libpng (image decoding), FFmpeg's
+# libraries (video decoding; ffmpeg and python3-av/torchvision for the reference script), npm
 # (fetches the Qwen tokenizer for the tests); for the tests of jobs over two hosts: iproute2
 # (network namespaces as hosts), python3-torch (torchrun), openmpi-bin (mpirun) and slurm-wlm
 # (srun, with a controller and a node daemon the test starts).
 packages=(build-essential cmake ccache libtorch-dev libgloo-dev libopenblas0-openmp
-          libyaml-cpp-dev libgtest-dev gnuplot-nox libicu-dev libjpeg62-turbo-dev libpng-dev
+          libyaml-cpp-dev libgtest-dev gnuplot-nox libicu-dev libjpeg62-turbo-dev libpng-dev pkg-config
+          libavformat-dev libavcodec-dev libswscale-dev libavutil-dev ffmpeg python3-av python3-torchvision
           iproute2 python3-torch openmpi-bin slurm-wlm)
 missing=()
 for p in "${packages[@]}"; do

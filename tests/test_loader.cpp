@@ -9,6 +9,8 @@
 // budget, resumes bit-exactly with a look-ahead sample pending, and trains the same under
 // data parallelism.
 #include <gtest/gtest.h>
+
+#include <cmath>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -189,7 +191,7 @@ TEST(Loader, BadSamplesAreSkippedCountedAndNamed) {
 namespace {
 
 dhp::Config llava_config(const std::string& dir, std::vector<std::string> extra) {
-  std::vector<std::string> sets = {"model.text.vocab_size=151936", "model.image_token_id=151655",
+  std::vector<std::string> sets = {"model.text.vocab_size=151936", "model.image_token_id=151655", "model.video_token_id=151656",
                                    "model.vision_start_token_id=151652", "model.vision_end_token_id=151653",
                                    "model.text.num_heads=8", "model.text.num_kv_heads=4",
                                    "model.text.mrope_section=[2,3,3]",
@@ -313,6 +315,49 @@ TEST(LlavaTraining, PacksGreedilyToTheTokenBudgetInStreamOrder) {
 
 // A checkpoint taken while a look-ahead sample waits for the next micro-batch resumes with
 // it: the same losses bit for bit.
+// Images and videos mixed from two files (the moving task's clips written by FFmpeg), a
+// corrupt clip in the stream: the resumed run reads and skips exactly as the whole run did,
+// and its losses are bit-exact; dhp on two ranks trains the same mixture like one process.
+TEST(LlavaTraining, MixedImagesAndVideosResumeBitExactlyWithABadClip) {
+  dhp::testing::TempDir dir("loader_video");
+  const auto images = dir.path() / "images_set", videos = dir.path() / "videos_set";
+  dhp::data::write_synthetic(images.string(), 6, dhp::qwen::preset("demo"), shapes_options());
+  auto vo = shapes_options();
+  vo.frames = 4;
+  dhp::data::write_synthetic(videos.string(), 6, dhp::qwen::preset("demo"), vo);
+  {
+    std::ofstream f(videos / "videos" / "000002.mp4", std::ios::binary | std::ios::trunc);
+    f << "not a video at all";
+  }
+  const std::vector<std::string> mixed = {
+      "data.files=[" + (images / "train.jsonl").string() + "," + (videos / "train.jsonl").string() + "]",
+      "data.video_min_pixels=3136", "data.video_max_pixels=12544"};
+  std::vector<double> whole;
+  int64_t skipped = 0;
+  {
+    dhp::train::Trainer t(llava_config(dir.path().string(), mixed));
+    for (int i = 0; i < 4; ++i) {
+      const auto m = t.train_step();
+      whole.push_back(m.loss);
+      skipped = m.skipped_samples;
+      if (t.step() == 2) t.save_checkpoint();
+    }
+  }
+  EXPECT_GE(skipped, 1);  // 16 samples from 12-record epochs with one bad clip
+  EXPECT_TRUE(std::isfinite(whole[3]));
+  auto resumed = mixed;
+  resumed.push_back("checkpoint.resume=auto");
+  dhp::train::Trainer r(llava_config(dir.path().string(), resumed));
+  ASSERT_EQ(r.step(), 2);
+  EXPECT_EQ(r.train_step().loss, whole[2]);
+  EXPECT_EQ(r.train_step().loss, whole[3]);
+  auto two = mixed;
+  two.push_back("parallel.strategy=dhp");
+  const auto parallel = losses_on_two_ranks(llava_config(dir.path().string(), two), 2);
+  ASSERT_EQ(parallel.size(), 2u);
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(parallel[i], whole[i], 1e-5 * std::abs(whole[i])) << i;
+}
+
 TEST(LlavaTraining, PackedRunResumesBitExactly) {
   dhp::testing::TempDir dir("loader_pack_resume");
   dhp::data::write_synthetic(dir.path().string(), 10, dhp::qwen::preset("demo"), shapes_options());

@@ -112,6 +112,7 @@ TEST_P(PresetForwardBackward, RealWidthsAtReducedDepth) {
   c.image_token_id = 100;
   c.vision_start_token_id = 101;
   c.vision_end_token_id = 102;
+  c.video_token_id = 103;
   dhp::qwen::Qwen2_5_VL m(c);
   dhp::qwen::init_parameters(*m, 0, c.initializer_range);
   torch::manual_seed(0);

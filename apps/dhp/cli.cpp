@@ -1,5 +1,6 @@
 #include "cli.h"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -138,6 +139,16 @@ int64_t parse_int(const std::string& flag, const std::string& v) {
   } catch (const std::exception&) {
   }
   DHP_FAIL(flag, " expects an integer, got '", v, "'");
+}
+
+double parse_double(const std::string& flag, const std::string& v) {
+  try {
+    size_t used = 0;
+    const double x = std::stod(v, &used);
+    if (used == v.size() && std::isfinite(x)) return x;
+  } catch (const std::exception&) {
+  }
+  DHP_FAIL(flag, " expects a number, got '", v, "'");
 }
 
 std::vector<int64_t> parse_int_list(const std::string& flag, const std::string& v) {

@@ -81,6 +81,7 @@ train::Runtime worker_runtime(const std::optional<dist::WorkerEnv>& env, const C
 std::string job_fingerprint(const Config& cfg);
 // An integer flag value / a comma-separated list of them; throws naming the flag.
 int64_t parse_int(const std::string& flag, const std::string& v);
+double parse_double(const std::string& flag, const std::string& v);  // finite numbers only
 std::vector<int64_t> parse_int_list(const std::string& flag, const std::string& v);
 
 // The commands: argv[first..] are the command's own flags.

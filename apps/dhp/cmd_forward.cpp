@@ -32,9 +32,11 @@ const char* const kUsage =
     "                   [--set parallel.KEY=VALUE]...\n\n"
     "Loads a Hugging Face Qwen2.5-VL directory (config.json + model.safetensors or a sharded index),\n"
     "reads one sample from the inputs file as Hugging Face's processor gives it (input_ids [1, L]\n"
-    "int64; pixel_values [N, 1176] and image_grid_thw [I, 3] int64 when the sample has images) and\n"
-    "writes the logits of every position, [1, L, vocab] fp32, under the name 'logits', computed by\n"
-    "the training model code (fp32).\n\n"
+    "int64; pixel_values [N, 1176] and image_grid_thw [I, 3] int64 when the sample has images;\n"
+    "pixel_values_videos [M, 1176], video_grid_thw [V, 3] int64 and second_per_grid_ts [V] when it\n"
+    "has videos, without which each temporal patch counts 1 s) and writes the logits of every\n"
+    "position, [1, L, vocab] fp32, under the name 'logits', computed by the training model code\n"
+    "(fp32).\n\n"
     "  --nproc N   run as N local worker processes under the layout parallel.* chooses (e.g.\n"
     "              --set parallel.strategy=dhp: vision sequence-parallel, text tensor-parallel);\n"
     "              each rank reads only its slices of the weights; each module must be one\n"
@@ -75,7 +77,8 @@ dhp::qwen::Batch read_batch(const std::string& inputs, const dhp::qwen::ModelCon
   auto get = [&](const char* name) { return in.find(name) ? in.read(name) : torch::Tensor(); };
   DHP_CHECK(in.find("input_ids") != nullptr, inputs, " has no tensor 'input_ids'");
   try {
-    return dhp::qwen::forward_batch(c, get("input_ids"), get("pixel_values"), get("image_grid_thw"));
+    return dhp::qwen::forward_batch(c, {get("input_ids"), get("pixel_values"), get("image_grid_thw"),
+                                        get("pixel_values_videos"), get("video_grid_thw"), get("second_per_grid_ts")});
   } catch (const dhp::Error& e) {
     DHP_FAIL(inputs, ": ", e.what());
   }

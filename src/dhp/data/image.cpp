@@ -256,8 +256,8 @@ void save_png(const Image& image, const std::string& path) {
   io::write_file_atomic(path, bytes);
 }
 
-std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
-                                         int64_t max_pixels) {
+std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, double min_pixels,
+                                         double max_pixels) {
   DHP_CHECK(height > 0 && width > 0, "image of ", width, "x", height, " pixels");
   DHP_CHECK(static_cast<double>(std::max(height, width)) / static_cast<double>(std::min(height, width)) <= 200,
             "image of ", width, "x", height, ": absolute aspect ratio must be at most 200");
@@ -266,12 +266,12 @@ std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t 
   int64_t h = static_cast<int64_t>(std::nearbyint(static_cast<double>(height) / f)) * factor;
   int64_t w = static_cast<int64_t>(std::nearbyint(static_cast<double>(width) / f)) * factor;
   const double hw = static_cast<double>(height * width);
-  if (h * w > max_pixels) {
-    const double beta = std::sqrt(hw / static_cast<double>(max_pixels));
+  if (static_cast<double>(h * w) > max_pixels) {
+    const double beta = std::sqrt(hw / max_pixels);
     h = std::max(factor, static_cast<int64_t>(std::floor(static_cast<double>(height) / beta / f)) * factor);
     w = std::max(factor, static_cast<int64_t>(std::floor(static_cast<double>(width) / beta / f)) * factor);
-  } else if (h * w < min_pixels) {
-    const double beta = std::sqrt(static_cast<double>(min_pixels) / hw);
+  } else if (static_cast<double>(h * w) < min_pixels) {
+    const double beta = std::sqrt(min_pixels / hw);
     h = static_cast<int64_t>(std::ceil(static_cast<double>(height) * beta / f)) * factor;
     w = static_cast<int64_t>(std::ceil(static_cast<double>(width) * beta / f)) * factor;
   }
@@ -323,29 +323,41 @@ Image resize_bicubic(const Image& in, int64_t width, int64_t height) {
   return out;
 }
 
-Patches preprocess(const Image& image, const ImageOptions& o) {
-  const int64_t factor = o.patch_size * o.merge_size;
-  const auto [h, w] = smart_resize(image.height, image.width, factor, o.min_pixels, o.max_pixels);
-  Patches out;
-  out.resized = (h == image.height && w == image.width) ? image : resize_bicubic(image, w, h);
+qwen::VisionConfig patch_layout(const ImageOptions& o) {
+  qwen::VisionConfig vc;
+  vc.patch_size = o.patch_size;
+  vc.spatial_merge_size = o.merge_size;
+  vc.temporal_patch_size = o.temporal_patch_size;
+  vc.in_channels = 3;
+  return vc;
+}
+
+torch::Tensor normalize(const Image& image, const ImageOptions& o) {
+  const int64_t h = image.height, w = image.width;
+  DHP_CHECK(static_cast<int64_t>(image.rgb.size()) == h * w * 3, "normalize: an image of ", w, "x", h, " with ",
+            image.rgb.size(), " bytes");
   // Rescale (float64 x 1/255, stored as float32) and normalise in float32, as numpy does.
   auto px = torch::empty({3, h, w}, torch::kFloat32);
   auto* p = px.data_ptr<float>();
   const double scale = 1.0 / 255.0;
   for (int64_t c = 0; c < 3; ++c) {
     for (int64_t i = 0; i < h * w; ++i) {
-      const auto v = static_cast<float>(static_cast<double>(out.resized.rgb[static_cast<size_t>(i * 3 + c)]) * scale);
+      const auto v = static_cast<float>(static_cast<double>(image.rgb[static_cast<size_t>(i * 3 + c)]) * scale);
       p[c * h * w + i] = (v - o.mean[static_cast<size_t>(c)]) / o.std[static_cast<size_t>(c)];
     }
   }
+  return px;
+}
+
+Patches preprocess(const Image& image, const ImageOptions& o) {
+  const int64_t factor = o.patch_size * o.merge_size;
+  const auto [h, w] = smart_resize(image.height, image.width, factor, o.min_pixels, o.max_pixels);
+  Patches out;
+  out.resized = (h == image.height && w == image.width) ? image : resize_bicubic(image, w, h);
+  const auto px = normalize(out.resized, o);
   // A still image is repeated to the temporal patch size; patches in merge-window order.
-  qwen::VisionConfig vc;
-  vc.patch_size = o.patch_size;
-  vc.spatial_merge_size = o.merge_size;
-  vc.temporal_patch_size = o.temporal_patch_size;
-  vc.in_channels = 3;
   qwen::GridTHW grid{};
-  out.pixel_values = patchify(px, vc, grid);
+  out.pixel_values = patchify(px, patch_layout(o), grid);
   out.grid = {grid[0], grid[1], grid[2]};
   return out;
 }

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "dhp/models/qwen2_5_vl/config.h"
+
 namespace dhp::data {
 
 // 8-bit RGB, row-major, height x width x 3.
@@ -33,9 +35,10 @@ void save_png(const Image& image, const std::string& path);
 
 // Qwen2-VL's smart_resize: sides that are multiples of `factor`, nearest to the original
 // (Python's round: halves to even), scaled into [min_pixels, max_pixels] keeping the aspect
-// ratio. Throws when the aspect ratio exceeds 200, as the processor does.
-std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, int64_t min_pixels,
-                                         int64_t max_pixels);
+// ratio. Throws when the aspect ratio exceeds 200, as the processor does. The pixel bounds
+// are real numbers: qwen-vl-utils' video budget (video.h) is a fraction.
+std::pair<int64_t, int64_t> smart_resize(int64_t height, int64_t width, int64_t factor, double min_pixels,
+                                         double max_pixels);
 
 // Pillow's Image.resize(..., BICUBIC, reducing_gap=None) of an RGB image, exactly.
 Image resize_bicubic(const Image& in, int64_t width, int64_t height);
@@ -56,5 +59,11 @@ struct Patches {
   Image resized;                  // the image after resizing (for comparisons)
 };
 Patches preprocess(const Image& image, const ImageOptions& o);
+// The processor's rescale (x 1/255 in float64, stored as float32) and normalisation (float32)
+// of an image already at its final size: (3, H, W) fp32.
+torch::Tensor normalize(const Image& image, const ImageOptions& o);
+// The patch geometry of `o` (patch, merge and temporal sizes, RGB) as the vision config
+// patchify (sample.h) takes.
+qwen::VisionConfig patch_layout(const ImageOptions& o);
 
 }  // namespace dhp::data

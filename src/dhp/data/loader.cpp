@@ -87,21 +87,60 @@ const LlavaRecord& LlavaDataset::record(int64_t p) const {
 
 const std::string& LlavaDataset::where(int64_t p) const { return record(p).where; }
 
+VideoOptions LlavaDataset::video_options(const VideoSettings& v) const {
+  VideoOptions o = o_.video;
+  if (v.fps > 0) {
+    o.fps = v.fps;
+    o.nframes = 0;
+  }
+  if (v.nframes > 0) o.nframes = v.nframes;
+  if (v.start >= 0) o.start = v.start;
+  if (v.end >= 0) o.end = v.end;
+  if (v.min_pixels > 0) o.min_pixels = v.min_pixels;
+  if (v.max_pixels > 0) o.requested_max_pixels = v.max_pixels;
+  if (v.total_pixels > 0) o.total_pixels = v.total_pixels;
+  return o;
+}
+
 Sample LlavaDataset::load(int64_t p, bool pixels) const {
   const auto& r = record(p);
   const auto& root = roots_[static_cast<size_t>(&r - records_.data())];
   try {
     Sample s;
-    std::vector<int64_t> tokens;
+    std::vector<int64_t> image_tokens, video_tokens;
     std::vector<torch::Tensor> pv;
-    for (const auto& im : r.images) {
-      const auto pp = preprocess(load_image(resolve_image(root, im)), o_.image);
-      s.grids.push_back({pp.grid[0], pp.grid[1], pp.grid[2]});
-      tokens.push_back(pp.grid[0] * pp.grid[1] * pp.grid[2] / (o_.merge_size * o_.merge_size));
-      if (pixels) pv.push_back(pp.pixel_values);
+    const int64_t unit = o_.merge_size * o_.merge_size;
+    const VideoOptions video = video_options(r.video);
+    size_t image = 0, clip = 0;
+    for (char kind : r.order) {  // images and videos in the order of their tags
+      if (kind == 'i') {
+        const auto pp = preprocess(load_image(resolve_image(root, r.images[image++])), o_.image);
+        s.grids.push_back({pp.grid[0], pp.grid[1], pp.grid[2]});
+        s.second_per_grid_t.push_back(0);
+        image_tokens.push_back(pp.grid[0] * pp.grid[1] * pp.grid[2] / unit);
+        if (pixels) pv.push_back(pp.pixel_values);
+        continue;
+      }
+      const std::string path = resolve_image(root, r.videos[clip++]);
+      std::array<int64_t, 3> grid{};
+      float seconds = 0;
+      if (pixels) {
+        auto vp = preprocess_video(path, video, o_.image);
+        grid = vp.grid;
+        seconds = vp.second_per_grid_t;
+        pv.push_back(std::move(vp.pixel_values));
+      } else {
+        const auto plan = plan_video(probe_video(path, video), video, o_.image.patch_size * o_.image.merge_size);
+        grid = video_grid(plan, o_.image);
+        seconds = second_per_grid_t(plan, o_.image);
+      }
+      s.grids.push_back({grid[0], grid[1], grid[2]});
+      s.second_per_grid_t.push_back(seconds);
+      video_tokens.push_back(grid[0] * grid[1] * grid[2] / unit);
     }
+    if (r.videos.empty()) s.second_per_grid_t.clear();
     if (!pv.empty()) s.pixel_values = torch::cat(pv, 0);
-    auto e = encode_chat(*tok_, r, tokens, o_.chat);
+    auto e = encode_chat(*tok_, r, image_tokens, o_.chat, video_tokens);
     s.ids = std::move(e.ids);
     s.labels = std::move(e.labels);
     s.answer = r.turns.back().text;
@@ -185,25 +224,35 @@ Sample Loader::next() {
 
 void write_synthetic(const std::string& dir, int64_t num, const qwen::ModelConfig& model, const ShapesOptions& options) {
   DHP_CHECK(num > 0, "--num must be > 0, got ", num);
-  fs::create_directories(fs::path(dir) / "images");
   ShapesDataset shapes(model, options);
+  const bool video = shapes.video();
+  fs::create_directories(fs::path(dir) / (video ? "videos" : "images"));
+  const std::string codec = video_encoder_available("libx264") ? "libx264" : "mpeg4";
   std::string jsonl;
   for (int64_t i = 0; i < num; ++i) {
-    Image img;
-    const Sample s = shapes.render(i, img.rgb, img.width, img.height);
     char name[32];
-    std::snprintf(name, sizeof(name), "images/%06lld.png", static_cast<long long>(i));
-    save_png(img, (fs::path(dir) / name).string());
+    Sample s;
+    if (video) {
+      std::vector<Image> frames;
+      s = shapes.render_frames(i, frames);
+      std::snprintf(name, sizeof(name), "videos/%06lld.mp4", static_cast<long long>(i));
+      write_video((fs::path(dir) / name).string(), frames, options.fps, codec);
+    } else {
+      Image img;
+      s = shapes.render(i, img.rgb, img.width, img.height);
+      std::snprintf(name, sizeof(name), "images/%06lld.png", static_cast<long long>(i));
+      save_png(img, (fs::path(dir) / name).string());
+    }
     io::Json conv = io::Json::array();
     io::Json q = io::Json::object(), a = io::Json::object();
     q.set("from", io::Json("human"));
-    q.set("value", io::Json("<image>\nWhat is in the image?"));
+    q.set("value", io::Json(video ? "<video>\nWhat is in the video?" : "<image>\nWhat is in the image?"));
     a.set("from", io::Json("gpt"));
     a.set("value", io::Json(s.answer));
     conv.push(std::move(q));
     conv.push(std::move(a));
     io::Json rec = io::Json::object();
-    rec.set("image", io::Json(std::string(name)));
+    rec.set(video ? "video" : "image", io::Json(std::string(name)));
     rec.set("conversations", std::move(conv));
     jsonl += rec.dump() + "\n";
   }

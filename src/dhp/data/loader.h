@@ -23,6 +23,7 @@
 #include "dhp/data/llava.h"
 #include "dhp/data/shapes.h"
 #include "dhp/data/tokenizer.h"
+#include "dhp/data/video.h"
 
 namespace dhp::data {
 
@@ -36,6 +37,7 @@ struct LoaderOptions {
   std::vector<DatasetSpec> datasets;
   uint64_t seed = 0;
   ImageOptions image;
+  VideoOptions video;  // a record's own settings (llava.h VideoSettings) win
   ChatOptions chat;
   int64_t merge_size = 2;  // vision tokens per image = patches / merge_size^2
   bool strict = false;     // a bad record or sample stops with its error instead of being skipped
@@ -48,8 +50,8 @@ class LlavaDataset {
   LlavaDataset(const LoaderOptions& o, std::shared_ptr<const Tokenizer> tokenizer);
   int64_t epoch_size() const { return epoch_size_; }
   // The sample at stream position p (pixels=false: grids, ids and labels only; the image
-  // files are still opened for their sizes). Throws dhp::Error naming the record on a bad
-  // sample.
+  // files are still opened for their sizes, the videos' containers read without decoding).
+  // Throws dhp::Error naming the record on a bad sample.
   Sample load(int64_t p, bool pixels = true) const;
   // Where stream position p comes from ("file:line").
   const std::string& where(int64_t p) const;
@@ -58,6 +60,8 @@ class LlavaDataset {
 
  private:
   const LlavaRecord& record(int64_t p) const;
+  // The dataset's video options with a record's own settings applied.
+  VideoOptions video_options(const VideoSettings& v) const;
   LoaderOptions o_;
   std::shared_ptr<const Tokenizer> tok_;
   std::vector<LlavaRecord> records_;
@@ -107,7 +111,9 @@ class Loader {
 
 // The shapes task as files: DIR/images/000000.png ... and DIR/train.jsonl with one
 // conversation per image ("<image>\nWhat is in the image?" -> "a red circle top left"),
-// the same images and answers as ShapesDataset(model, options).get(i).
+// the same images and answers as ShapesDataset(model, options).get(i). The moving task
+// (options.frames > 0) writes DIR/videos/000000.mp4 ... (H.264, or MPEG-4 part 2 where
+// FFmpeg has no libx264) at options.fps with "<video>\nWhat is in the video?" records.
 void write_synthetic(const std::string& dir, int64_t num, const qwen::ModelConfig& model, const ShapesOptions& options);
 
 }  // namespace dhp::data

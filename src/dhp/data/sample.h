@@ -15,7 +15,10 @@ namespace dhp::data {
 // One tokenised sample before packing.
 struct Sample {
   torch::Tensor pixel_values;        // (N, C*T*P*P) fp32, processor order; undefined if none
-  std::vector<qwen::GridTHW> grids;  // per image
+  std::vector<qwen::GridTHW> grids;  // per image or video, in order of appearance
+  // Per grid: seconds per temporal patch of a video (temporal_patch_size / sample fps), 0 for
+  // an image; empty when the sample has no video.
+  std::vector<float> second_per_grid_t;
   std::vector<int64_t> ids;          // (L)
   std::vector<int64_t> labels;       // (L): the token itself where it is answer text, else -100
   std::string answer;                // reference answer text
@@ -37,6 +40,10 @@ constexpr float kImageStd[3] = {0.26862954f, 0.26130258f, 0.27577711f};
 // repeated over temporal_patch_size frames. Returns the grid in `grid`.
 torch::Tensor patchify(const torch::Tensor& image, const qwen::VisionConfig& cfg,
                        qwen::GridTHW& grid);
+// Normalised frames (F, C, H, W) fp32 -> patches (F/T * grid_h * grid_w, C*T*P*P), T =
+// temporal_patch_size consecutive frames per temporal patch (the last frame repeated when F
+// is not a multiple of T, as the processor pads), in the processor's order.
+torch::Tensor patchify_frames(const torch::Tensor& frames, const qwen::VisionConfig& cfg, qwen::GridTHW& grid);
 
 // Packs samples into one Batch (ids concatenated, targets shifted inside each sample,
 // M-RoPE positions per sample, cu_seqlens).

@@ -1,14 +1,18 @@
 // The built-in synthetic task: images of coloured shapes with a question and a caption
 // answer ("a red circle top left"), tokenised with a small word vocabulary laid out like
 // Qwen's chat template. Needs no download; each sample is a pure function of (seed, index).
+// With `frames` > 0 it is the moving task: clips in which a shape crosses the frame in one of
+// four directions ("a red square moving left"); the direction shows only across frames.
 #pragma once
 
 #include <torch/types.h>
 
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "dhp/data/image.h"
 #include "dhp/data/sample.h"
 #include "dhp/models/qwen2_5_vl/model.h"
 
@@ -33,6 +37,8 @@ struct ShapesOptions {
   int64_t min_side = 112;  // image side range in pixels (rounded to multiples of 28)
   int64_t max_side = 224;
   uint64_t seed = 0;
+  int64_t frames = 0;      // > 0: the moving task, clips of this many frames (even)
+  double fps = 2.0;        // the clips' frame rate (second_per_grid_t = temporal_patch_size / fps)
 };
 
 class ShapesDataset {
@@ -44,12 +50,18 @@ class ShapesDataset {
   Sample get(int64_t index, bool pixels = true) const;
   // get(index) plus its image as 8-bit RGB (height x width x 3), for writing it to disk.
   Sample render(int64_t index, std::vector<uint8_t>& rgb, int64_t& width, int64_t& height) const;
+  // The moving task: get(index) plus its frames as 8-bit RGB images.
+  Sample render_frames(int64_t index, std::vector<Image>& frames) const;
+  bool video() const { return options_.frames > 0; }
   // Number of distinct answers (chance accuracy = 1 / num_answers()).
   int64_t num_answers() const;
   const ShapesVocab& vocab() const { return vocab_; }
 
  private:
   Sample generate(int64_t index, bool pixels, std::vector<uint8_t>* rgb) const;
+  Sample generate_clip(int64_t index, bool pixels, std::vector<Image>* frames) const;
+  int64_t pick_side(std::mt19937_64& rng) const;  // a side in [min_side, max_side], a multiple of patch * merge
+  void converse(Sample& s, bool video) const;      // the question and s.answer as ids and labels
   qwen::ModelConfig model_;
   ShapesOptions options_;
   ShapesVocab vocab_;

@@ -8,6 +8,7 @@
 #include "dhp/dist/layout.h"
 #include "dhp/models/qwen2_5_vl/hf.h"
 #include "dhp/nn/attention.h"
+#include "dhp/train/data_stream.h"
 
 namespace dhp {
 
@@ -83,6 +84,7 @@ void Config::validate() const {
     DHP_CHECK(data.min_pixels > 0 && data.max_pixels >= data.min_pixels, "data.min_pixels=", data.min_pixels,
               " and data.max_pixels=", data.max_pixels, " must satisfy 0 < min <= max");
     DHP_CHECK(data.workers >= 1 && data.prefetch >= 1, "data.workers and data.prefetch must be >= 1");
+    train::video_options(data).validate("data.video_");
   }
   DHP_CHECK(data.batch_size > 0, "data.batch_size must be > 0, got ", data.batch_size);
   DHP_CHECK(data.eval_samples >= 0, "data.eval_samples must be >= 0, got ", data.eval_samples);

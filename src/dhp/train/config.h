@@ -41,6 +41,7 @@ struct DataOptions {
   int64_t min_side = 112;          // synthetic image side range (pixels)
   int64_t max_side = 224;
   int64_t seed = 1234;             // dataset seed (held-out set uses a different stream)
+  int64_t frames = 0;              // shapes: > 0: the moving task, clips of this many frames at 2 fps
   // dataset: llava
   std::vector<std::string> files;  // annotation files (JSON or JSONL)
   std::vector<double> fractions;   // per file: records per epoch = fraction x records (empty = all 1)
@@ -50,7 +51,19 @@ struct DataOptions {
   int64_t max_length = 2048;       // tokens per sample (longer: cut after the last image, or skipped)
   int64_t min_pixels = 3136;       // image resize range (Qwen2.5-VL's preprocessor defaults)
   int64_t max_pixels = 12845056;
-  int64_t workers = 2;             // image decoding threads per process
+  // Videos (qwen-vl-utils' defaults; a record's own fps, nframes, min_pixels, max_pixels,
+  // total_pixels, video_start and video_end win).
+  double video_fps = 2.0;
+  int64_t video_nframes = 0;
+  int64_t video_min_frames = 4;
+  int64_t video_max_frames = 768;
+  int64_t video_min_pixels = 128 * 28 * 28;
+  int64_t video_max_pixels = 768 * 28 * 28;
+  int64_t video_total_pixels = 90316800;
+  int64_t video_max_side = 8192;          // refused before decoding: larger frames,
+  double video_max_duration_s = 86400;    // longer videos,
+  double video_timeout_s = 300;           // and reads that take longer
+  int64_t workers = 2;             // image and video decoding threads per process
   int64_t prefetch = 16;           // samples decoded ahead
   bool strict = false;             // a bad record or sample stops the run (default: skipped, counted)
   template <class V>
@@ -63,6 +76,7 @@ struct DataOptions {
     v.field("min_side", min_side, "smallest synthetic image side in pixels");
     v.field("max_side", max_side, "largest synthetic image side in pixels");
     v.field("seed", seed, "dataset seed");
+    v.field("frames", frames, "shapes: > 0: the moving task instead of images, clips of this many frames (even) at 2 fps");
     v.field("files", files, "llava: annotation files, JSON arrays or JSONL of {image, conversations}");
     v.field("fractions", fractions, "llava: per file, records drawn per epoch as a fraction of its records (empty = 1 each)");
     v.field("eval_files", eval_files, "llava: held-out annotation files evaluated at the end (up to eval_samples; empty = none)");
@@ -71,7 +85,17 @@ struct DataOptions {
     v.field("max_length", max_length, "llava: tokens per sample; longer ones are cut after their last image or skipped");
     v.field("min_pixels", min_pixels, "llava: smallest resized image area in pixels");
     v.field("max_pixels", max_pixels, "llava: largest resized image area in pixels");
-    v.field("workers", workers, "llava: image decoding threads per process");
+    v.field("video_fps", video_fps, "llava: video frames sampled per second (qwen-vl-utils' FPS)");
+    v.field("video_nframes", video_nframes, "llava: > 0: frames sampled per video instead of video_fps");
+    v.field("video_min_frames", video_min_frames, "llava: fewest frames sampled by video_fps");
+    v.field("video_max_frames", video_max_frames, "llava: most frames sampled by video_fps");
+    v.field("video_min_pixels", video_min_pixels, "llava: smallest resized video frame area in pixels");
+    v.field("video_max_pixels", video_max_pixels, "llava: largest resized video frame area in pixels");
+    v.field("video_total_pixels", video_total_pixels, "llava: pixel budget of all of a video's frames together");
+    v.field("video_max_side", video_max_side, "llava: videos with a larger frame side are refused before decoding");
+    v.field("video_max_duration_s", video_max_duration_s, "llava: longer videos are refused before decoding");
+    v.field("video_timeout_s", video_timeout_s, "llava: a video read taking longer fails (a bad sample)");
+    v.field("workers", workers, "llava: image and video decoding threads per process");
     v.field("prefetch", prefetch, "llava: samples prepared ahead of the trainer");
     v.field("strict", strict, "llava: stop at the first bad record or sample instead of skipping and counting it");
   }

@@ -15,10 +15,26 @@ data::ShapesOptions shapes_options(const Config& cfg, uint64_t stream) {
   o.min_side = cfg.data.min_side;
   o.max_side = cfg.data.max_side;
   o.seed = static_cast<uint64_t>(cfg.data.seed) * 2 + stream;
+  o.frames = cfg.data.frames;
   return o;
 }
 
 }  // namespace
+
+data::VideoOptions video_options(const DataOptions& d) {
+  data::VideoOptions v;
+  v.fps = d.video_fps;
+  v.nframes = d.video_nframes;
+  v.min_frames = d.video_min_frames;
+  v.max_frames = d.video_max_frames;
+  v.min_pixels = static_cast<double>(d.video_min_pixels);
+  v.max_pixels = static_cast<double>(d.video_max_pixels);
+  v.total_pixels = static_cast<double>(d.video_total_pixels);
+  v.max_side = d.video_max_side;
+  v.max_duration_s = d.video_max_duration_s;
+  v.timeout_s = d.video_timeout_s;
+  return v;
+}
 
 DataStream::DataStream(const Config& cfg) : cfg_(cfg) {
   if (cfg_.data.dataset == "llava") {
@@ -36,10 +52,12 @@ DataStream::DataStream(const Config& cfg) : cfg_(cfg) {
     o.merge_size = cfg_.model.config.vision.spatial_merge_size;
     o.chat.max_length = d.max_length;
     o.strict = d.strict;
+    o.video = video_options(d);
     auto tok = std::make_shared<const data::Tokenizer>(data::Tokenizer::from_file(d.tokenizer));
     const auto& mc = cfg_.model.config;
     for (const auto& [key, token, id] : {std::tuple<const char*, const char*, int64_t>{"model.image_token_id",
                                                                                       "<|image_pad|>", mc.image_token_id},
+                                         {"model.video_token_id", "<|video_pad|>", mc.video_token_id},
                                          {"model.vision_start_token_id", "<|vision_start|>", mc.vision_start_token_id},
                                          {"model.vision_end_token_id", "<|vision_end|>", mc.vision_end_token_id}}) {
       DHP_CHECK(tok->token_id(token) == id, key, "=", id, " but ", d.tokenizer, " has ", token, " at id ",

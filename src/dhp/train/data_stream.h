@@ -19,6 +19,9 @@
 
 namespace dhp::train {
 
+// The dataset's video options (data.video_*).
+data::VideoOptions video_options(const DataOptions& d);
+
 class DataStream {
  public:
   // Opens the datasets of cfg.data (llava: checks the tokenizer's special ids against the

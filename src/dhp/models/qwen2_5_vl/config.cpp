@@ -49,6 +49,7 @@ ModelConfig preset(const std::string& name) {
     c.image_token_id = 5;
     c.vision_start_token_id = 3;
     c.vision_end_token_id = 4;
+    c.video_token_id = 27;  // data/shapes.h's vocabulary
     return c;
   }
   if (name == "bench") {
@@ -72,6 +73,7 @@ ModelConfig preset(const std::string& name) {
     c.image_token_id = 5;
     c.vision_start_token_id = 3;
     c.vision_end_token_id = 4;
+    c.video_token_id = 27;  // data/shapes.h's vocabulary
     return c;
   }
   std::string names;
@@ -118,10 +120,19 @@ void ModelConfig::validate() const {
   for (auto s : t.mrope_section) sum += s;
   DHP_CHECK(sum == t.head_dim() / 2, "model.text.mrope_section sums to ", sum,
             " but must equal head_dim/2 = ", t.head_dim() / 2);
-  for (int64_t id : {image_token_id, vision_start_token_id, vision_end_token_id}) {
-    DHP_CHECK(id >= 0 && id < t.vocab_size, "model: special token id ", id,
+  const std::pair<const char*, int64_t> ids[] = {{"image_token_id", image_token_id},
+                                                  {"video_token_id", video_token_id},
+                                                  {"vision_start_token_id", vision_start_token_id},
+                                                  {"vision_end_token_id", vision_end_token_id}};
+  for (size_t i = 0; i < 4; ++i) {
+    DHP_CHECK(ids[i].second >= 0 && ids[i].second < t.vocab_size, "model.", ids[i].first, "=", ids[i].second,
               " is outside the vocabulary [0, ", t.vocab_size, ")");
+    for (size_t k = 0; k < i; ++k) {
+      DHP_CHECK(ids[i].second != ids[k].second, "model.", ids[i].first, " and model.", ids[k].first,
+                " are both ", ids[i].second, "; the special tokens must differ");
+    }
   }
+  DHP_CHECK(v.tokens_per_second > 0, "model.vision.tokens_per_second=", v.tokens_per_second, " must be > 0");
 }
 
 ParamSizes parameter_sizes(const ModelConfig& cfg) {

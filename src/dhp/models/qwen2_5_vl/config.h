@@ -21,6 +21,9 @@ struct VisionConfig {
   int64_t window_size = 112;          // window attention side in pixels (8x8 patches)
   std::vector<int64_t> fullatt_block_indexes{7, 15, 23, 31};  // blocks with full attention
   double rope_theta = 10000.0;        // 2-D vision rotary base
+  // Temporal M-RoPE positions per second of video: temporal patch t of a clip sampled at
+  // second_per_grid_t seconds per patch sits at int(t * second_per_grid_t * tokens_per_second).
+  int64_t tokens_per_second = 2;      // Qwen2.5-VL's released config.json (HF's class default: 4)
 
   template <class V>
   void visit(V& v) {
@@ -36,6 +39,7 @@ struct VisionConfig {
     v.field("window_size", window_size, "window attention side in pixels");
     v.field("fullatt_block_indexes", fullatt_block_indexes, "blocks with full attention");
     v.field("rope_theta", rope_theta, "vision rotary base");
+    v.field("tokens_per_second", tokens_per_second, "video temporal positions per second");
   }
   int64_t head_dim() const { return hidden_size / num_heads; }
   int64_t patch_dim() const { return in_channels * temporal_patch_size * patch_size * patch_size; }
@@ -73,6 +77,7 @@ struct ModelConfig {
   VisionConfig vision;
   TextConfig text;
   int64_t image_token_id = 151655;         // <|image_pad|>
+  int64_t video_token_id = 151656;         // <|video_pad|>
   int64_t vision_start_token_id = 151652;  // <|vision_start|>
   int64_t vision_end_token_id = 151653;    // <|vision_end|>
   double initializer_range = 0.02;         // std of the normal init of weights
@@ -87,12 +92,15 @@ struct ModelConfig {
   template <class V>
   void visit_fields(V& v) {
     v.field("image_token_id", image_token_id, "<|image_pad|> id");
+    v.field("video_token_id", video_token_id, "<|video_pad|> id");
     v.field("vision_start_token_id", vision_start_token_id, "<|vision_start|> id");
     v.field("vision_end_token_id", vision_end_token_id, "<|vision_end|> id");
     v.field("initializer_range", initializer_range, "std of the weight init");
   }
   // Throws dhp::Error naming the bad field and values.
   void validate() const;
+  // Is `id` a token whose embedding a vision row replaces (<|image_pad|> or <|video_pad|>)?
+  bool is_vision_pad(int64_t id) const { return id == image_token_id || id == video_token_id; }
 };
 
 // Presets. Names: "demo", "bench", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b",

@@ -83,6 +83,7 @@ ModelConfig config_from_hf(const Json& j, const std::string& what) {
     DHP_CHECK(act->str(what + " \"hidden_act\"") == "silu", what, ": hidden_act \"", act->str(), "\" (only silu)");
   }
   c.image_token_id = t.integer("image_token_id", 151655);
+  c.video_token_id = t.integer("video_token_id", 151656);
   c.vision_start_token_id = t.integer("vision_start_token_id", 151652);
   c.vision_end_token_id = t.integer("vision_end_token_id", 151653);
   c.initializer_range = t.number("initializer_range", 0.02);
@@ -100,6 +101,7 @@ ModelConfig config_from_hf(const Json& j, const std::string& what) {
   c.vision.spatial_merge_size = v.integer("spatial_merge_size", 2);
   c.vision.window_size = v.integer("window_size", 112);
   if (const Json* f = v.find("fullatt_block_indexes")) c.vision.fullatt_block_indexes = v.ints(*f, "fullatt_block_indexes");
+  c.vision.tokens_per_second = v.integer("tokens_per_second", 4);  // Qwen2_5_VLVisionConfig's default
   if (const Json* act = v.find("hidden_act")) {
     DHP_CHECK(act->str(what + " vision_config \"hidden_act\"") == "silu", what, ": vision hidden_act \"", act->str(),
               "\" (only silu)");
@@ -138,8 +140,7 @@ Json config_to_hf(const ModelConfig& c, torch::ScalarType dtype) {
   j.set("initializer_range", Json(c.initializer_range));
   j.set("use_cache", Json(true));
   j.set("image_token_id", Json(c.image_token_id));
-  // No video input in dhp; an id outside a small vocabulary can never match a token.
-  j.set("video_token_id", Json(c.text.vocab_size > 151656 ? int64_t{151656} : c.text.vocab_size));
+  j.set("video_token_id", Json(c.video_token_id));
   j.set("vision_start_token_id", Json(c.vision_start_token_id));
   j.set("vision_end_token_id", Json(c.vision_end_token_id));
   j.set("torch_dtype", Json(dtype == torch::kBFloat16 ? "bfloat16" : dtype == torch::kFloat16 ? "float16" : "float32"));
@@ -161,7 +162,7 @@ Json config_to_hf(const ModelConfig& c, torch::ScalarType dtype) {
   v.set("temporal_patch_size", Json(c.vision.temporal_patch_size));
   v.set("window_size", Json(c.vision.window_size));
   v.set("fullatt_block_indexes", int_array(c.vision.fullatt_block_indexes));
-  v.set("tokens_per_second", Json(int64_t{2}));
+  v.set("tokens_per_second", Json(c.vision.tokens_per_second));
   v.set("initializer_range", Json(c.initializer_range));
   j.set("vision_config", std::move(v));
   return j;
@@ -332,49 +333,114 @@ void save_hf(const std::string& dir, const std::map<std::string, torch::Tensor>&
   fs::remove(fs::path(dir) / "model.safetensors");
 }
 
-Batch forward_batch(const ModelConfig& c, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
-                    const torch::Tensor& image_grid_thw) {
+namespace {
+
+// The grids of one kind of vision input ("image_grid_thw" / "video_grid_thw") and the row
+// offset of each item in its pixel tensor, checked against that tensor.
+struct VisionInputs {
+  std::vector<GridTHW> grids;
+  std::vector<int64_t> offsets;  // grids.size() + 1
+  torch::Tensor pixels;
+};
+
+VisionInputs vision_inputs(const ModelConfig& c, const torch::Tensor& pixels, const torch::Tensor& grid_thw,
+                           const char* pixels_name, const char* grid_name) {
+  VisionInputs v;
+  v.offsets = {0};
+  if (!grid_thw.defined() || grid_thw.numel() == 0) {
+    DHP_CHECK(!pixels.defined() || pixels.numel() == 0, pixels_name, " is given without ", grid_name);
+    return v;
+  }
+  DHP_CHECK(grid_thw.dim() == 2 && grid_thw.size(1) == 3, grid_name, " must be (I, 3), got ", grid_thw.sizes());
+  auto g = grid_thw.to(torch::kInt64).contiguous();
+  for (int64_t i = 0; i < g.size(0); ++i) {
+    GridTHW t{g[i][0].item<int64_t>(), g[i][1].item<int64_t>(), g[i][2].item<int64_t>()};
+    DHP_CHECK(t[0] > 0 && t[1] > 0 && t[2] > 0 && t[1] % c.vision.spatial_merge_size == 0 &&
+                  t[2] % c.vision.spatial_merge_size == 0,
+              grid_name, " row ", i, " = [", t[0], ", ", t[1], ", ", t[2], "]: sizes must be positive and h, w ",
+              "multiples of the merge size ", c.vision.spatial_merge_size);
+    v.grids.push_back(t);
+    v.offsets.push_back(v.offsets.back() + t[0] * t[1] * t[2]);
+  }
+  DHP_CHECK(pixels.defined() && pixels.dim() == 2 && pixels.size(0) == v.offsets.back() &&
+                pixels.size(1) == c.vision.patch_dim(),
+            pixels_name, " must be (", v.offsets.back(), ", ", c.vision.patch_dim(), ") for these grids, got ",
+            pixels.defined() ? pixels.sizes() : c10::IntArrayRef{});
+  v.pixels = pixels.to(torch::kFloat32).contiguous();
+  return v;
+}
+
+}  // namespace
+
+Batch forward_batch(const ModelConfig& c, const ProcessorInputs& in) {
+  const auto& input_ids = in.input_ids;
   DHP_CHECK(input_ids.defined() && input_ids.dim() == 2 && input_ids.size(0) == 1 && input_ids.size(1) > 0,
             "input_ids must be (1, L) with L > 0 (one sample), got ", input_ids.defined() ? input_ids.sizes() : c10::IntArrayRef{});
   Batch b;
   b.input_ids = input_ids.reshape({-1}).to(torch::kInt64).contiguous();
   const int64_t L = b.input_ids.size(0);
-  int64_t patches = 0;
-  if (image_grid_thw.defined() && image_grid_thw.numel() > 0) {
-    DHP_CHECK(image_grid_thw.dim() == 2 && image_grid_thw.size(1) == 3, "image_grid_thw must be (I, 3), got ",
-              image_grid_thw.sizes());
-    auto g = image_grid_thw.to(torch::kInt64).contiguous();
-    for (int64_t i = 0; i < g.size(0); ++i) {
-      GridTHW t{g[i][0].item<int64_t>(), g[i][1].item<int64_t>(), g[i][2].item<int64_t>()};
-      DHP_CHECK(t[0] > 0 && t[1] > 0 && t[2] > 0 && t[1] % c.vision.spatial_merge_size == 0 &&
-                    t[2] % c.vision.spatial_merge_size == 0,
-                "image_grid_thw row ", i, " = [", t[0], ", ", t[1], ", ", t[2], "]: sizes must be positive and h, w ",
-                "multiples of the merge size ", c.vision.spatial_merge_size);
-      patches += t[0] * t[1] * t[2];
-      b.grid_thw.push_back(t);
-    }
-    DHP_CHECK(pixel_values.defined() && pixel_values.dim() == 2 && pixel_values.size(0) == patches &&
-                  pixel_values.size(1) == c.vision.patch_dim(),
-              "pixel_values must be (", patches, ", ", c.vision.patch_dim(), ") for these grids, got ",
-              pixel_values.defined() ? pixel_values.sizes() : c10::IntArrayRef{});
-    b.pixel_values = pixel_values.to(torch::kFloat32).contiguous();
+  const auto images = vision_inputs(c, in.pixel_values, in.image_grid_thw, "pixel_values", "image_grid_thw");
+  const auto videos = vision_inputs(c, in.pixel_values_videos, in.video_grid_thw, "pixel_values_videos", "video_grid_thw");
+  std::vector<float> seconds;  // per video
+  if (in.second_per_grid_ts.defined() && in.second_per_grid_ts.numel() > 0) {
+    auto s = in.second_per_grid_ts.to(torch::kFloat32).reshape({-1}).contiguous();
+    seconds.assign(s.data_ptr<float>(), s.data_ptr<float>() + s.numel());
+    DHP_CHECK(seconds.size() == videos.grids.size(), "second_per_grid_ts has ", seconds.size(), " values for ",
+              videos.grids.size(), " videos");
+  } else {
+    seconds.assign(videos.grids.size(), 1.0f);  // the model's default without second_per_grid_ts
   }
-  const int64_t unit = c.vision.spatial_merge_size * c.vision.spatial_merge_size;
-  const int64_t pads = b.input_ids.eq(c.image_token_id).sum().item<int64_t>();
-  DHP_CHECK(pads == patches / unit, "input_ids hold ", pads, " <|image_pad|> tokens (id ", c.image_token_id,
-            ") but the grids give ", patches / unit, " merged vision tokens");
   std::vector<int64_t> ids(b.input_ids.data_ptr<int64_t>(), b.input_ids.data_ptr<int64_t>() + L);
   for (auto id : ids) DHP_CHECK(id >= 0 && id < c.text.vocab_size, "input id ", id, " outside the vocabulary of ", c.text.vocab_size);
-  b.position_ids = rope_index(ids, b.grid_thw, c);
+  // Interleave images and videos in the order their pad runs appear.
+  const int64_t unit = c.vision.spatial_merge_size * c.vision.spatial_merge_size;
+  std::vector<torch::Tensor> pixels;
+  std::vector<float> second_per_grid_t;
+  size_t next_image = 0, next_video = 0;
+  for (int64_t i = 0; i < L;) {
+    if (!c.is_vision_pad(ids[i])) {
+      ++i;
+      continue;
+    }
+    const bool video = ids[i] == c.video_token_id;
+    const auto& v = video ? videos : images;
+    size_t& k = video ? next_video : next_image;
+    DHP_CHECK(k < v.grids.size(), "input_ids hold more ", video ? "<|video_pad|>" : "<|image_pad|>", " runs than the ",
+              v.grids.size(), " rows of ", video ? "video_grid_thw" : "image_grid_thw");
+    const auto& g = v.grids[k];
+    b.grid_thw.push_back(g);
+    second_per_grid_t.push_back(video ? seconds[k] : 0.0f);
+    pixels.push_back(v.pixels.narrow(0, v.offsets[k], v.offsets[k + 1] - v.offsets[k]));
+    ++k;
+    i += g[0] * g[1] * g[2] / unit;  // rope_index checks that the run has this length
+  }
+  DHP_CHECK(next_image == images.grids.size() && next_video == videos.grids.size(), "input_ids hold ", next_image,
+            " <|image_pad|> (id ", c.image_token_id, ") and ", next_video, " <|video_pad|> (id ", c.video_token_id,
+            ") runs but the inputs give ", images.grids.size(), " images and ", videos.grids.size(), " videos");
+  if (!pixels.empty()) b.pixel_values = torch::cat(pixels, 0);
+  const int64_t pads = b.input_ids.eq(c.image_token_id).logical_or(b.input_ids.eq(c.video_token_id)).sum().item<int64_t>();
+  const int64_t rows = (images.offsets.back() + videos.offsets.back()) / unit;
+  DHP_CHECK(pads == rows, "input_ids hold ", pads, " <|image_pad|> / <|video_pad|> tokens but the grids give ", rows,
+            " merged vision tokens");
+  b.position_ids = rope_index(ids, b.grid_thw, c, second_per_grid_t);
   b.targets = torch::zeros({L}, torch::kInt64);  // every position "has a target": logits for all
   b.cu_seqlens = {0, L};
   return b;
 }
 
+torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const ProcessorInputs& in) {
+  torch::NoGradGuard no_grad;
+  return model.target_logits(forward_batch(model.cfg, in)).unsqueeze(0);
+}
+
+Batch forward_batch(const ModelConfig& c, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
+                    const torch::Tensor& image_grid_thw) {
+  return forward_batch(c, ProcessorInputs{input_ids, pixel_values, image_grid_thw, {}, {}, {}});
+}
+
 torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
                              const torch::Tensor& image_grid_thw) {
-  torch::NoGradGuard no_grad;
-  return model.target_logits(forward_batch(model.cfg, input_ids, pixel_values, image_grid_thw)).unsqueeze(0);
+  return forward_logits(model, ProcessorInputs{input_ids, pixel_values, image_grid_thw, {}, {}, {}});
 }
 
 }  // namespace dhp::qwen

@@ -93,11 +93,20 @@ void load_hf_weights(const std::string& dir, Qwen2_5_VLImpl& model);
 void save_hf(const std::string& dir, const std::map<std::string, torch::Tensor>& params, const ModelConfig& c,
              int64_t max_shard_bytes = 5LL << 30);
 
-// Logits of every position, (1, L, vocab) fp32, of one sample given as Hugging Face's
-// processor gives it: input_ids (1, L) int64, pixel_values (N, patch_dim) and
-// image_grid_thw (I, 3) int64 (both may be undefined or empty for a text-only sample).
-// Checks the shapes and that the <|image_pad|> count matches the grids, naming the inputs.
-// The one-sample batch of those inputs, checked as above, with a target at every position.
+// One sample as Hugging Face's Qwen2.5-VL processor gives it, by its names: input_ids (1, L)
+// int64; pixel_values (N, patch_dim) with image_grid_thw (I, 3) int64; pixel_values_videos
+// (M, patch_dim) with video_grid_thw (V, 3) int64 and second_per_grid_ts (V) (absent: 1.0 s
+// per temporal patch, as the model assumes). Either pair may be undefined or empty.
+struct ProcessorInputs {
+  torch::Tensor input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, second_per_grid_ts;
+};
+// The one-sample batch of those inputs with a target at every position: images and videos
+// interleaved in the order their <|image_pad|> / <|video_pad|> runs appear. Checks the shapes
+// and that each run matches its grid, naming the inputs.
+Batch forward_batch(const ModelConfig& c, const ProcessorInputs& in);
+// Logits of every position, (1, L, vocab) fp32.
+torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const ProcessorInputs& in);
+// The same for a sample with images only.
 Batch forward_batch(const ModelConfig& c, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,
                     const torch::Tensor& image_grid_thw);
 torch::Tensor forward_logits(Qwen2_5_VLImpl& model, const torch::Tensor& input_ids, const torch::Tensor& pixel_values,

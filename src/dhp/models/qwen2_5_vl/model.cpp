@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "dhp/core/error.h"
 
@@ -20,41 +21,53 @@ Batch to_device(Batch b, const torch::Device& device) {
   return b;
 }
 
-torch::Tensor rope_index(const std::vector<int64_t>& ids, const std::vector<GridTHW>& grids,
-                         const ModelConfig& cfg) {
+torch::Tensor rope_index(const std::vector<int64_t>& ids, const std::vector<GridTHW>& grids, const ModelConfig& cfg,
+                         const std::vector<float>& second_per_grid_t) {
+  DHP_CHECK(second_per_grid_t.empty() || second_per_grid_t.size() == grids.size(), "rope_index: ",
+            second_per_grid_t.size(), " second_per_grid_t values for ", grids.size(), " vision grids");
   const int64_t m = cfg.vision.spatial_merge_size;
+  const float tps = static_cast<float>(cfg.vision.tokens_per_second);
   const int64_t L = static_cast<int64_t>(ids.size());
   std::vector<int64_t> t(L), h(L), w(L);
   int64_t next = 0;  // first free position
-  size_t img = 0;
+  size_t item = 0;
   int64_t i = 0;
   while (i < L) {
-    if (ids[i] != cfg.image_token_id) {
+    if (!cfg.is_vision_pad(ids[i])) {
       t[i] = h[i] = w[i] = next++;
       ++i;
       continue;
     }
-    DHP_CHECK(img < grids.size(), "rope_index: more image runs than the ", grids.size(),
-              " image grids");
-    const auto& g = grids[img++];
+    const int64_t pad = ids[i];
+    const bool video = pad == cfg.video_token_id;
+    const char* what = video ? "video" : "image";
+    const char* token = video ? "<|video_pad|>" : "<|image_pad|>";
+    DHP_CHECK(item < grids.size(), "rope_index: more vision runs than the ", grids.size(), " grids");
+    const auto& g = grids[item];
     const int64_t gt = g[0], gh = g[1] / m, gw = g[2] / m, n = gt * gh * gw;
-    DHP_CHECK(i + n <= L, "rope_index: image ", img - 1, " needs ", n,
-              " <|image_pad|> tokens but the sequence ends after ", L - i);
+    DHP_CHECK(video || gt == 1, "rope_index: item ", item, " is an image (", token, ") but its grid has t=", gt);
+    DHP_CHECK(i + n <= L, "rope_index: ", what, " ", item, " needs ", n, " ", token,
+              " tokens but the sequence ends after ", L - i);
+    // Hugging Face multiplies a float32 tensor: (t * second_per_grid_t) * tokens_per_second, then .long().
+    const float spg = video ? (second_per_grid_t.empty() ? 1.0f : second_per_grid_t[item]) : 0.0f;
+    DHP_CHECK(!video || (std::isfinite(spg) && spg > 0), "rope_index: video ", item, " has second_per_grid_t ",
+              spg, " (must be > 0)");
     int64_t max_pos = next - 1;
     for (int64_t k = 0; k < n; ++k) {
-      DHP_CHECK(ids[i + k] == cfg.image_token_id, "rope_index: image ", img - 1, " needs ", n,
-                " consecutive <|image_pad|> tokens, found ", k);
-      // Still images: temporal index 0 (Hugging Face uses second_per_grid_t = 0 for images).
-      t[i + k] = next;
+      DHP_CHECK(ids[i + k] == pad, "rope_index: ", what, " ", item, " needs ", n, " consecutive ", token,
+                " tokens, found ", k);
+      const float time = static_cast<float>(static_cast<float>(k / (gh * gw)) * spg) * tps;
+      t[i + k] = next + static_cast<int64_t>(time);
       h[i + k] = next + (k / gw) % gh;
       w[i + k] = next + k % gw;
       max_pos = std::max({max_pos, t[i + k], h[i + k], w[i + k]});
     }
+    ++item;
     next = max_pos + 1;
     i += n;
   }
-  DHP_CHECK(img == grids.size(), "rope_index: ", grids.size(), " image grids but ", img,
-            " image runs in the sequence");
+  DHP_CHECK(item == grids.size(), "rope_index: ", grids.size(), " vision grids but ", item,
+            " image or video runs in the sequence");
   auto out = torch::empty({3, L}, torch::kInt64);
   std::copy(t.begin(), t.end(), out[0].data_ptr<int64_t>());
   std::copy(h.begin(), h.end(), out[1].data_ptr<int64_t>());
@@ -94,14 +107,14 @@ torch::Tensor Qwen2_5_VLImpl::lm_head_weight() const {
 torch::Tensor Qwen2_5_VLImpl::embed(const Batch& batch, const torch::Tensor& vision_embeds) {
   auto emb = model->stage("model.embed_tokens", [this](const torch::Tensor& ids) { return model->embed_tokens(ids); },
                           batch.input_ids);  // (L, C)
-  auto pos = (batch.input_ids == cfg.image_token_id).nonzero().squeeze(-1);
+  auto pos = batch.input_ids.eq(cfg.image_token_id).logical_or(batch.input_ids.eq(cfg.video_token_id)).nonzero().squeeze(-1);
   auto vis = vision_embeds.defined() ? vision_embeds : encode_images(batch);  // (N/4, C)
   if (!vis.defined() || vis.size(0) == 0) {
-    DHP_CHECK(pos.numel() == 0, "batch has ", pos.numel(), " <|image_pad|> tokens but no images");
+    DHP_CHECK(pos.numel() == 0, "batch has ", pos.numel(), " <|image_pad|> / <|video_pad|> tokens but no images or videos");
     return emb;
   }
   DHP_CHECK(vis.size(0) == pos.numel(), "batch has ", pos.numel(),
-            " <|image_pad|> tokens but the images give ", vis.size(0), " vision embeddings");
+            " <|image_pad|> / <|video_pad|> tokens but its images and videos give ", vis.size(0), " vision embeddings");
   return emb.index_copy(0, pos, vis.to(emb.scalar_type()));
 }
 

@@ -1,6 +1,6 @@
 // Qwen2_5_VLForConditionalGeneration: vision tower + text decoder + lm_head, with Hugging
 // Face's parameter names (visual.*, model.*, lm_head.*). Vision embeddings replace the
-// <|image_pad|> token embeddings in order.
+// <|image_pad|> and <|video_pad|> token embeddings in order.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -20,7 +20,7 @@ namespace dhp::qwen {
 // One packed batch: samples concatenated, no padding.
 struct Batch {
   torch::Tensor pixel_values;       // (N_patches, C*T*P*P) fp32, processor order; undefined if no image
-  std::vector<GridTHW> grid_thw;    // per image, in order of appearance
+  std::vector<GridTHW> grid_thw;    // per image or video, in order of appearance (a video: t > 1)
   torch::Tensor input_ids;          // (L) int64
   torch::Tensor targets;            // (L) int64: next-token target per position, -100 = no loss
   torch::Tensor position_ids;       // (3, L) int64, M-RoPE
@@ -33,12 +33,17 @@ struct Batch {
 // itself when they are there already.
 Batch to_device(Batch b, const torch::Device& device);
 
-// M-RoPE position ids of one sample, as Hugging Face's get_rope_index does for images:
-// text runs get consecutive positions on all three axes; an image of grid (t, h, w) placed
-// after a text run gets (t_i, h_i, w_i) over the merged grid, offset by the next free
-// position; text after it starts at max + 1. ids: (L) int64 -> (3, L) int64.
-torch::Tensor rope_index(const std::vector<int64_t>& ids, const std::vector<GridTHW>& grids,
-                         const ModelConfig& cfg);
+// M-RoPE position ids of one sample, as Hugging Face's get_rope_index does: text runs get
+// consecutive positions on all three axes; a vision item of grid (t, h, w), a run of
+// <|image_pad|> or <|video_pad|> tokens placed after a text run, gets (t', h_i, w_i) over the
+// merged grid offset by the next free position, and text after it starts at max + 1. The
+// temporal index t' of temporal patch t is 0 for an image and, for a video,
+// int(t * second_per_grid_t * tokens_per_second) computed in float32 as transformers 4.49 and
+// vLLM do (the product truncated, not the interval first). grids: one per run, in order;
+// second_per_grid_t: one per grid (ignored for images), or empty when no run is a video.
+// ids: (L) int64 -> (3, L) int64.
+torch::Tensor rope_index(const std::vector<int64_t>& ids, const std::vector<GridTHW>& grids, const ModelConfig& cfg,
+                         const std::vector<float>& second_per_grid_t = {});
 
 class Qwen2_5_VLImpl : public torch::nn::Module {
  public:
@@ -54,7 +59,7 @@ class Qwen2_5_VLImpl : public torch::nn::Module {
   Output forward(const Batch& batch, const torch::Tensor& vision_embeds = {});
   // The batch's image embeddings (N/4, C) in order; undefined without images.
   torch::Tensor encode_images(const Batch& batch);
-  // Embeddings with vision rows in place of <|image_pad|>: (L, C).
+  // Embeddings with vision rows in place of <|image_pad|> and <|video_pad|>: (L, C).
   torch::Tensor embed(const Batch& batch, const torch::Tensor& vision_embeds = {});
   // Final hidden states (n, C) at the target positions and their targets (n).
   std::pair<torch::Tensor, torch::Tensor> hidden_at_targets(const Batch& batch, const torch::Tensor& vision_embeds = {});

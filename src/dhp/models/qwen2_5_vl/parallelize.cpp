@@ -92,7 +92,7 @@ std::vector<std::unique_ptr<parallel::ModuleTarget>> module_targets(Qwen2_5_VLIm
 
 namespace {
 
-// Qwen2.5-VL has one encoder, the vision tower, whose rows replace <|image_pad|>.
+// Qwen2.5-VL has one encoder, the vision tower, whose rows replace <|image_pad|> and <|video_pad|>.
 void check_encoder(int64_t encoder) {
   DHP_CHECK(encoder == 0, "Qwen2.5-VL has one encoder (module 0, vision), not module ", encoder);
 }
@@ -107,7 +107,7 @@ const torch::Tensor& vision_rows(const std::vector<torch::Tensor>& rows) {
 int64_t encoder_rows(const ModelConfig& cfg, int64_t encoder, const std::vector<int64_t>& ids) {
   check_encoder(encoder);
   int64_t n = 0;
-  for (auto id : ids) n += id == cfg.image_token_id;
+  for (auto id : ids) n += cfg.is_vision_pad(id);
   return n;
 }
 
