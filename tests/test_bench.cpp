@@ -213,3 +213,32 @@ TEST(Bench, MemoryLimitMakesTheSearchKeepASmallerBatch) {
 }
 
 }  // namespace
+
+namespace {
+
+// Video points: every sample a clip of the moving task; the length given per frame and the
+// sweep's patches per clip = per frame x temporal patches; the jobs train on clips.
+TEST(Bench, VideoPointsRunClipsOfTheMovingTask) {
+  const auto dir = fs::temp_directory_path() / ("dhp-bench-video-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const auto json = YAML::Load(run_bench(dir / "v", "--batch-sizes 2 --frames 4"));
+  const auto point = json["points"][0];
+  EXPECT_EQ(point["frames"].as<int64_t>(), 4);
+  EXPECT_EQ(point["vision_tokens"].as<int64_t>(), 64 * 2);  // 8x8 patches a frame, 2 temporal patches
+  EXPECT_EQ(point["image_side"].as<int64_t>(), 112);
+  EXPECT_EQ(point["batch_size"].as<int64_t>(), 2);
+  // The job's own count of patches per step agrees: 2 clips x 128 patches.
+  std::ifstream m(dir / "v" / "runs" / "none_128_b2" / "metrics.jsonl");
+  std::string line;
+  ASSERT_TRUE(std::getline(m, line));
+  EXPECT_EQ(YAML::Load(line)["patches"].as<int64_t>(), 256) << line;
+  std::stringstream table;
+  table << std::ifstream(dir / "v" / "table.md").rdbuf();
+  EXPECT_NE(table.str().find("clip of 4 frames"), std::string::npos) << table.str();
+  EXPECT_NE(std::system((std::string(DHP_BINARY) + " bench --frames 3 --out " + (dir / "bad").string() +
+                         " > /dev/null 2>&1").c_str()),
+            0);
+  fs::remove_all(dir);
+}
+
+}  // namespace

@@ -25,7 +25,7 @@ namespace {
 
 const char* const kHelp =
     "usage: dhp bench [--config FILE] [--set KEY=VALUE]... [--strategies LIST] [--point NAME:K=V;K=V]...\n"
-    "                 [--vision-tokens LIST | --image-sides LIST] [--batch-sizes LIST]\n"
+    "                 [--vision-tokens LIST | --image-sides LIST] [--frames F] [--batch-sizes LIST]\n"
     "                 [--memory-limit SIZE] [--nproc N] [--steps N] [--warmup N] [--repeats N]\n"
     "                 [--out DIR] [--no-plot]\n\n"
     "For each point and vision length, runs 'dhp train --nproc N' jobs (own worker processes), trying\n"
@@ -43,6 +43,9 @@ const char* const kHelp =
     "  --vision-tokens LIST patches per image (before the 2x2 merge), each the square of an even\n"
     "                       number: images are that square (default 64,256 = 112 and 224 px)\n"
     "  --image-sides LIST   the same given as square image sides in pixels (multiples of 28)\n"
+    "  --frames F           video points: every sample a clip of F frames (even) of the moving\n"
+    "                       shapes task, the lengths above per frame; patches per clip = per frame\n"
+    "                       x F / 2 (temporal patches of 2 frames)\n"
     "  --batch-sizes LIST   global batch sizes to try, largest first (default: data.batch_size)\n"
     "  --memory-limit SIZE  per-rank tensor memory budget, e.g. 2GiB (training.memory_limit)\n"
     "  --nproc N            worker processes per job (default 2)\n"
@@ -87,6 +90,8 @@ BenchFlags parse_flags(int argc, char** argv, int first) {
       o.vision_tokens = parse_int_list(f, next());
     } else if (f == "--image-sides") {
       b.sides = parse_int_list(f, next());
+    } else if (f == "--frames") {
+      o.frames = parse_int(f, next());
     } else if (f == "--batch-sizes") {
       o.batch_sizes = parse_int_list(f, next());
     } else if (f == "--memory-limit") {

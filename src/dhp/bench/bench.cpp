@@ -257,13 +257,15 @@ void keep_median_round(PointResult& r, const std::vector<RunMetrics>& rounds) {
 namespace {
 
 // The point at one vision length, before any try: its keys and sizes.
-PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t side) {
+PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t side, int64_t temporal_patch) {
   PointResult r;
   r.name = p.name;
-  r.vision_tokens = tokens;
+  r.frames = o.frames;
+  r.vision_tokens = o.frames > 0 ? tokens * ((o.frames + temporal_patch - 1) / temporal_patch) : tokens;
   r.image_side = side;
   r.sets = o.sets;
   r.sets.insert(r.sets.end(), p.sets.begin(), p.sets.end());
+  if (o.frames > 0) r.sets.push_back("data.frames=" + std::to_string(o.frames));
   for (const auto& s : {"data.min_side=" + std::to_string(side), "data.max_side=" + std::to_string(side),
                         "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0"),
                         std::string("checkpoint.at_end=false")}) {
@@ -323,6 +325,7 @@ void check_options(const Options& o) {
   DHP_CHECK(o.nproc >= 1, "--nproc must be >= 1, got ", o.nproc);
   DHP_CHECK(o.repeats >= 1, "--repeats must be >= 1, got ", o.repeats);
   DHP_CHECK(!o.vision_tokens.empty(), "no vision length to measure");
+  DHP_CHECK(o.frames >= 0 && o.frames % 2 == 0, "--frames ", o.frames, " must be an even number >= 0 (0: images)");
 }
 
 // "[3/12] WHAT, ETA 1m20s": the sweep's progress over its jobs (every point once, then again
@@ -344,6 +347,10 @@ class Progress {
 };
 
 std::string describe_point(const PointResult& r) {
+  if (r.frames > 0) {
+    return r.name + ", " + std::to_string(r.vision_tokens) + " patches/clip (" + std::to_string(r.frames) + " frames of " +
+           std::to_string(r.image_side) + " px)";
+  }
   return r.name + ", " + std::to_string(r.vision_tokens) + " patches/image (" + std::to_string(r.image_side) + " px)";
 }
 
@@ -393,7 +400,7 @@ std::vector<PointResult> run(const Options& o) {
   Progress progress(o.points.size() * o.vision_tokens.size() * static_cast<size_t>(o.repeats));
   for (const auto& p : o.points) {
     for (size_t v = 0; v < o.vision_tokens.size(); ++v) {
-      auto r = make_point(o, p, o.vision_tokens[v], sides[v]);
+      auto r = make_point(o, p, o.vision_tokens[v], sides[v], vc.temporal_patch_size);
       const std::string what = describe_point(r) + (o.repeats > 1 ? ", round 1" : "");
       search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress.line(what)); }, r);
       progress.job_done();

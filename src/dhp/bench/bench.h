@@ -32,7 +32,8 @@ struct Options {
   std::string config;                      // base config file (may be empty)
   std::vector<std::string> sets;           // base --set overrides
   std::vector<Point> points;
-  std::vector<int64_t> vision_tokens{64, 256};  // patches per image (square images)
+  std::vector<int64_t> vision_tokens{64, 256};  // patches per image (square images), per frame with `frames`
+  int64_t frames = 0;                      // > 0: every sample a clip of the moving task with this many frames
   std::vector<int64_t> batch_sizes;        // tried largest first; empty: data.batch_size of the config
   std::string memory_limit;                // per-rank budget, e.g. 2GiB (empty: the config's)
   int64_t nproc = 2;
@@ -73,7 +74,8 @@ struct Attempt {
 
 struct PointResult {
   std::string name, layout;
-  int64_t vision_tokens = 0, image_side = 0;
+  int64_t vision_tokens = 0, image_side = 0;  // patches per sample (a clip's: per frame x temporal patches); side in px
+  int64_t frames = 0;                         // frames per clip; 0: still images
   std::vector<std::string> sets;
   std::vector<int64_t> vision_ranks, text_ranks;
   int64_t batch_size = 0;  // the largest that ran; 0 when none did
@@ -84,7 +86,7 @@ struct PointResult {
   std::vector<double> round_step_s;  // the kept batch's step time in each round that ran, in order
   int64_t failed_rounds = 0;         // later rounds of the kept batch that failed (logged, left out)
   bool ok() const { return batch_size > 0; }
-  // Vision patches per image x batch / step time (the reference's metric); 0 when none ran.
+  // Vision patches per sample x batch / step time (the reference's metric); 0 when none ran.
   double throughput() const;
 };
 

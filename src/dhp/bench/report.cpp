@@ -81,13 +81,16 @@ std::string tried(const PointResult& r) {
 std::string markdown(const std::vector<PointResult>& results, const Options& o, double gemm_peak) {
   std::ostringstream os;
   const auto names = names_in_order(results);
-  os << "Throughput = vision patches per image x batch / mean step time (steps " << o.warmup + 1 << "-" << o.steps
+  const bool clips = o.frames > 0;
+  os << "Throughput = vision patches per " << (clips ? "clip" : "image") << " x batch / mean step time (steps "
+     << o.warmup + 1 << "-" << o.steps
      << ")" << (o.repeats > 1 ? ", the median of " + std::to_string(o.repeats) + " rounds (step s: median [min-max])" : "")
      << ", " << o.nproc << " process(es)"
      << (o.memory_limit.empty() ? "" : ", memory limit " + o.memory_limit + " per rank") << "; (bs) = "
      << (o.batch_sizes.empty() ? std::string("the configured batch size")
                                : "the largest batch of " + json_list(o.batch_sizes) + " that fit")
-     << ".\n\n| vision patches/image | image px |";
+     << (clips ? "; every sample a clip of " + std::to_string(o.frames) + " frames (the moving shapes task)" : "")
+     << ".\n\n| vision patches/" << (clips ? "clip | frame px |" : "image | image px |");
   for (const auto& n : names) os << " " << n << " (bs) |";
   for (size_t j = 1; j < names.size(); ++j) os << " " << names[0] << "/" << names[j] << " |";
   os << "\n|---|---|";
@@ -164,7 +167,7 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
     const auto& r = results[i];
     const auto& m = r.metrics;
     f << (i ? ",\n  " : "\n  ") << "{\"strategy\": " << quoted(r.name) << ", \"vision_tokens\": " << r.vision_tokens
-      << ", \"image_side\": " << r.image_side << ", \"batch_size\": " << r.batch_size
+      << ", \"image_side\": " << r.image_side << ", \"frames\": " << r.frames << ", \"batch_size\": " << r.batch_size
       << ", \"oom\": " << (r.oom ? "true" : "false") << ", \"throughput\": " << r.throughput()
       << ", \"layout\": " << quoted(r.layout) << ", \"vision_ranks\": " << json_list(r.vision_ranks)
       << ", \"text_ranks\": " << json_list(r.text_ranks);
