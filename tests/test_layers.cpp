@@ -283,15 +283,18 @@ torch::Tensor naive_vision(dhp::qwen::VisionTransformerImpl& vt, const torch::Te
   const int64_t m = c.spatial_merge_size, win = c.window_size / m / c.patch_size;
   std::vector<int64_t> window_of, image_of;
   int64_t wbase = 0;
+  int64_t frame = 0;  // full attention spans one temporal patch of one item (HF's cu_seqlens)
   for (size_t i = 0; i < grids.size(); ++i) {
     const int64_t lh = grids[i][1] / m, lw = grids[i][2] / m, nww = (lw + win - 1) / win;
-    for (int64_t y = 0; y < lh; ++y)
-      for (int64_t x = 0; x < lw; ++x)
-        for (int64_t u = 0; u < m * m; ++u) {
-          window_of.push_back(wbase + (y / win) * nww + x / win);
-          image_of.push_back(static_cast<int64_t>(i));
-        }
-    wbase += ((lh + win - 1) / win) * nww;
+    for (int64_t t = 0; t < grids[i][0]; ++t, ++frame) {
+      for (int64_t y = 0; y < lh; ++y)
+        for (int64_t x = 0; x < lw; ++x)
+          for (int64_t u = 0; u < m * m; ++u) {
+            window_of.push_back(wbase + (y / win) * nww + x / win);
+            image_of.push_back(frame);
+          }
+      wbase += ((lh + win - 1) / win) * nww;
+    }
   }
   auto wo = torch::tensor(window_of), io = torch::tensor(image_of);
   auto win_mask = wo.unsqueeze(0) == wo.unsqueeze(1), img_mask = io.unsqueeze(0) == io.unsqueeze(1);
@@ -332,6 +335,29 @@ TEST(VisionTower, WindowedEqualsMaskedReferenceInProcessorOrder) {
   ASSERT_EQ(out.sizes(), ref.sizes());
   const double err = (out - ref).abs().max().item<double>(), scale = ref.abs().max().item<double>();
   EXPECT_LT(err, 1e-5 * scale) << "max abs error " << err << " at output scale " << scale;
+}
+
+// Video grids (t > 1): windows and full attention per temporal patch, the 2-D rotary
+// repeated for each, as Qwen2.5-VL's tower does; an image and two clips in one call.
+TEST(VisionTower, VideoGridsAttendWithinEachTemporalPatch) {
+  auto v = small_vision();
+  dhp::qwen::VisionTransformer vt(v);
+  dhp::qwen::init_parameters(*vt, 4, 0.2);
+  torch::manual_seed(6);
+  std::vector<GridTHW> grids = {GridTHW{3, 8, 12}, GridTHW{1, 4, 8}, GridTHW{2, 12, 4}};
+  int64_t n = 0;
+  for (auto& g : grids) n += g[0] * g[1] * g[2];
+  auto patches = torch::randn({n, v.patch_dim()});
+  auto plan = dhp::qwen::make_vision_plan(grids, v);
+  EXPECT_EQ(plan.cu_seqlens, (std::vector<int64_t>{0, 96, 192, 288, 320, 368, 416}));
+  auto out = vt->forward(patches, plan);
+  auto ref = naive_vision(*vt, patches, grids);
+  ASSERT_EQ(out.sizes(), ref.sizes());
+  const double err = (out - ref).abs().max().item<double>(), scale = ref.abs().max().item<double>();
+  EXPECT_LT(err, 1e-5 * scale) << "max abs error " << err << " at output scale " << scale;
+  // A clip is not three images: its temporal patches share nothing but the order.
+  auto one = vt->forward(patches.narrow(0, 96, 96), dhp::qwen::make_vision_plan({GridTHW{1, 8, 12}}, v));
+  EXPECT_LT((one - out.narrow(0, 24, 24)).abs().max().item<double>(), 1e-5 * scale);
 }
 
 // The tower's rotary tables for one rank's rows (sequence parallelism) are those rows of the
