@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <array>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -560,8 +562,35 @@ TEST(VideoShapes, ClipsMoveAndWriteAsFiles) {
   EXPECT_EQ(s.pixel_values.size(0), s.grids[0][0] * s.grids[0][1] * s.grids[0][2]);
   EXPECT_TRUE(torch::equal(shapes.get(3).pixel_values, s.pixel_values));
   EXPECT_EQ(shapes.get(3, false).ids, s.ids);
-  // The first and last frames differ (the shape moved); the answers cover the four directions.
-  EXPECT_NE(frames.front().rgb, frames.back().rgb);
+  // The shape crosses the frame the way the answer says: its centroid (pixels near its
+  // colour) moves by over 0.3 of the side along the direction, under 0.05 across it.
+  const std::map<std::string, std::array<float, 3>> colours = {
+      {"red", {0.9f, 0.1f, 0.1f}}, {"green", {0.1f, 0.75f, 0.2f}}, {"blue", {0.15f, 0.25f, 0.95f}},
+      {"yellow", {0.95f, 0.85f, 0.1f}}};
+  for (int64_t i = 0; i < 12; ++i) {
+    std::vector<dhp::data::Image> clip;
+    const auto sample = shapes.render_frames(i, clip);
+    const auto words = sample.answer;  // "a <colour> <shape> moving <direction>"
+    const auto rgb = colours.at(words.substr(2, words.find(' ', 2) - 2));
+    auto centroid = [&](const dhp::data::Image& im) {
+      double sx = 0, sy = 0, n = 0;
+      for (int64_t y = 0; y < im.height; ++y)
+        for (int64_t x = 0; x < im.width; ++x) {
+          bool near = true;
+          for (int c = 0; c < 3; ++c) near = near && std::abs(im.rgb[(y * im.width + x) * 3 + c] / 255.f - rgb[c]) < 0.12f;
+          if (near) sx += x, sy += y, n += 1;
+        }
+      EXPECT_GT(n, 20) << words;
+      return std::make_pair(sx / n / im.width, sy / n / im.height);
+    };
+    const auto [x0, y0] = centroid(clip.front());
+    const auto [x1, y1] = centroid(clip.back());
+    const std::string dir = words.substr(words.rfind(' ') + 1);
+    const double along = dir == "left" ? x0 - x1 : dir == "right" ? x1 - x0 : dir == "up" ? y0 - y1 : y1 - y0;
+    const double across = dir == "left" || dir == "right" ? std::abs(y1 - y0) : std::abs(x1 - x0);
+    EXPECT_GT(along, 0.3) << words;
+    EXPECT_LT(across, 0.05) << words;
+  }
   std::set<std::string> dirs;
   for (int64_t i = 0; i < 40; ++i) {
     const auto a = shapes.get(i, false).answer;
