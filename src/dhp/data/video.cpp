@@ -45,8 +45,15 @@ int64_t floor_by(double x, int64_t f) { return static_cast<int64_t>(std::floor(x
 
 struct Deadline {
   std::chrono::steady_clock::time_point at;
+  static Deadline after(double seconds) {
+    return {std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000))};
+  }
   bool passed() const { return std::chrono::steady_clock::now() > at; }
 };
+
+// Bytes per row of an RGB24 buffer handed to swscale: padded to 64, since its SIMD paths may
+// read or write past the end of a row.
+int64_t padded_rgb_stride(int64_t width) { return (width * 3 + 63) / 64 * 64; }
 
 int interrupt(void* opaque) { return static_cast<Deadline*>(opaque)->passed() ? 1 : 0; }
 
@@ -241,12 +248,12 @@ float second_per_grid_t(const VideoPlan& plan, const ImageOptions& image) {
 }
 
 VideoInfo probe_video(const std::string& path, const VideoOptions& o) {
-  Deadline deadline{std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000))};
+  Deadline deadline = Deadline::after(o.timeout_s);
   return open_video(path, o, deadline).info;
 }
 
 VideoFrames read_video(const std::string& path, const VideoOptions& o, int64_t factor) {
-  Deadline deadline{std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000))};
+  Deadline deadline = Deadline::after(o.timeout_s);
   Opened v = open_video(path, o, deadline);
   VideoFrames out;
   out.info = v.info;
@@ -287,9 +294,9 @@ VideoFrames read_video(const std::string& path, const VideoOptions& o, int64_t f
   bool draining = false;
   out.frames.reserve(indices.size());
 
-  std::vector<uint8_t> scratch;  // swscale's output: rows padded and aligned (its SIMD writes may run past a row)
+  std::vector<uint8_t> scratch;  // swscale's output, rows of padded_rgb_stride
   auto keep = [&](const AVFrame* f) {
-    const int64_t stride = (static_cast<int64_t>(f->width) * 3 + 63) / 64 * 64;
+    const int64_t stride = padded_rgb_stride(f->width);
     scratch.resize(static_cast<size_t>(stride * f->height + 64));
     sws.reset(sws_getCachedContext(sws.release(), f->width, f->height, static_cast<AVPixelFormat>(f->format), f->width,
                                    f->height, AV_PIX_FMT_RGB24, SWS_BILINEAR, nullptr, nullptr, nullptr));
@@ -464,7 +471,7 @@ void write_video(const std::string& path, const std::vector<Image>& frames, doub
       DHP_CHECK(r >= 0, path, ": writing failed (", av_error(r), ")");
     }
   };
-  const int64_t stride = (W * 3 + 63) / 64 * 64;  // padded rows: swscale's SIMD may read past a row
+  const int64_t stride = padded_rgb_stride(W);
   std::vector<uint8_t> padded(static_cast<size_t>(stride * H + 64));
   for (size_t i = 0; i < frames.size(); ++i) {
     rc = av_frame_make_writable(frame.get());
