@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "dhp/bench/bench.h"
@@ -238,6 +239,43 @@ TEST(Bench, VideoPointsRunClipsOfTheMovingTask) {
   EXPECT_NE(std::system((std::string(DHP_BINARY) + " bench --frames 3 --out " + (dir / "bad").string() +
                          " > /dev/null 2>&1").c_str()),
             0);
+  fs::remove_all(dir);
+}
+
+
+// A mixed-resolution point: one length whose images take sides drawn from a range; the
+// throughput is the jobs' own count of patches per second.
+TEST(Bench, MixedSidesAreOnePointMeasuredInPatchesPerSecond) {
+  const auto dir = fs::temp_directory_path() / ("dhp-bench-mixed-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const auto json = YAML::Load(run_bench(dir / "m", "--batch-sizes 4 --mixed-sides 56-168"));
+  ASSERT_EQ(json["points"].size(), 1u);
+  const auto point = json["points"][0];
+  EXPECT_EQ(point["vision_tokens"].as<int64_t>(), 0);
+  EXPECT_EQ(point["image_side"].as<int64_t>(), 56);
+  EXPECT_EQ(point["max_side"].as<int64_t>(), 168);
+  EXPECT_GT(point["throughput"].as<double>(), 0);
+  EXPECT_DOUBLE_EQ(point["throughput"].as<double>(), point["patches_per_s"].as<double>());
+  EXPECT_TRUE(point["stall_fraction_vision"].IsDefined());
+  // The job's images do vary in size within the range.
+  std::ifstream m(dir / "m" / "runs" / "none_mixed_b4" / "metrics.jsonl");
+  std::string line;
+  std::set<int64_t> patches;
+  while (std::getline(m, line)) patches.insert(YAML::Load(line)["patches"].as<int64_t>());
+  EXPECT_GT(patches.size(), 1u) << "every step drew the same total of patches";
+  for (auto p : patches) {
+    EXPECT_GE(p, 4 * 4 * 4);    // 4 images of at least 56x56 px (4x4 patches)
+    EXPECT_LE(p, 4 * 12 * 12);  // and at most 168x168
+  }
+  std::stringstream table;
+  table << std::ifstream(dir / "m" / "table.md").rdbuf();
+  EXPECT_NE(table.str().find("| mixed (measured) | 56-168 |"), std::string::npos) << table.str();
+  for (const char* bad : {"100-50", "60-168", "168"}) {
+    EXPECT_NE(std::system((std::string(DHP_BINARY) + " bench --mixed-sides " + bad + " --out " + (dir / "bad").string() +
+                           " > /dev/null 2>&1").c_str()),
+              0)
+        << bad;
+  }
   fs::remove_all(dir);
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <mutex>
@@ -116,6 +117,85 @@ TEST(Redistribute, TextOnlySampleAndEmptyReplicaGetNoRows) {
   ASSERT_EQ(plan.forward.size(), 1u);
   EXPECT_EQ(plan.forward[0].dst, 1);
   for (const auto& p : plan.backward) EXPECT_NE(p.src, 2);
+}
+
+TEST(BalancedReplicas, LargestFirstToTheLeastLoadedReplica) {
+  using dhp::parallel::balanced_replicas;
+  using Assign = dhp::parallel::ReplicaSamples;
+  // Order 5, 4, 3, 3, 2, 1: r0 5, r1 4, r1 7, r0 8, r1 9, r0 9 (contiguous: 10 against 8).
+  EXPECT_EQ(balanced_replicas({5, 1, 4, 3, 3, 2}, 2), (Assign{{0, 1, 4}, {2, 3, 5}}));
+  // Flagged samples first, one per replica; the rest after them by cost.
+  EXPECT_EQ(balanced_replicas({10, 1, 9, 1}, 2, {false, true, false, true}), (Assign{{0, 1}, {2, 3}}));
+  // 10 -> r0, 9 -> r1, 1 -> r1 (10 each), then the tie goes to the replica with fewer samples.
+  EXPECT_EQ(balanced_replicas({10, 9, 1, 1}, 2), (Assign{{0, 3}, {1, 2}}));
+  // Equal costs: ties go to the replica with fewer samples, then the lower one: round robin.
+  EXPECT_EQ(balanced_replicas({0, 0, 0, 0, 0}, 3), (Assign{{0, 3}, {1, 4}, {2}}));
+  // One replica takes everything in order; more replicas than samples leave some empty.
+  EXPECT_EQ(balanced_replicas({3, 1, 2}, 1), (Assign{{0, 1, 2}}));
+  EXPECT_EQ(balanced_replicas({3}, 2), (Assign{{0}, {}}));
+  EXPECT_EQ(dhp::parallel::contiguous_replicas(5, 2), (Assign{{0, 1, 2}, {3, 4}}));
+  EXPECT_THROW(balanced_replicas({1, -1}, 2), dhp::Error);
+  EXPECT_THROW(balanced_replicas({1, 2}, 0), dhp::Error);
+  EXPECT_THROW(balanced_replicas({1, 2}, 2, {true}), dhp::Error);
+}
+
+// Rows of the listed samples, in list order, valued global row index * scale.
+torch::Tensor rows_of_samples(const std::vector<int64_t>& samples, double scale) {
+  std::vector<torch::Tensor> parts;
+  for (auto i : samples) parts.push_back(rows_of({i, i + 1}, scale));
+  return parts.empty() ? torch::zeros({0, kCols}) : torch::cat(parts);
+}
+
+// Any assignment of the samples to either module's replicas: each text rank gets the rows of
+// its samples in its order, each vision rank their gradients, and runs of samples that stay
+// together travel as one piece.
+TEST_P(Redistribute, AnyAssignmentOfSamplesToReplicas) {
+  const auto& pl = GetParam();
+  using Assign = dhp::parallel::ReplicaSamples;
+  // Samples dealt to replicas in reverse order of rows (4, 0, 16, 9, 1), round robin.
+  auto deal = [](int64_t replicas) {
+    Assign a(static_cast<size_t>(replicas));
+    const std::vector<int64_t> order = {2, 3, 0, 4, 1};
+    for (size_t k = 0; k < order.size(); ++k) a[k % a.size()].push_back(order[k]);
+    for (auto& r : a) std::sort(r.begin(), r.end());
+    return a;
+  };
+  const Assign va = deal(pl.vision.dp), ta = dhp::parallel::balanced_replicas({1, 1, 5, 3, 1}, pl.text.dp);
+  const auto plan = plan_redistribute(pl.vision, va, pl.text, ta, kRows);
+  auto replica_of = [](const ModuleLayout& l, int64_t rank) { return l.coord(l.module_rank(rank)).dp; };
+  std::map<int64_t, torch::Tensor> vision_held, text_grads;
+  for (auto r : pl.vision.ranks) vision_held[r] = rows_of_samples(va[replica_of(pl.vision, r)], 1.0);
+  for (auto r : pl.text.ranks) text_grads[r] = rows_of_samples(ta[replica_of(pl.text, r)], 10.0);
+  const auto got = simulate(plan.forward, vision_held, plan.decoder_rows);
+  for (auto r : pl.text.ranks) {
+    EXPECT_TRUE(torch::equal(got.at(r), rows_of_samples(ta[replica_of(pl.text, r)], 1.0))) << "text rank " << r;
+  }
+  const auto back = simulate(plan.backward, text_grads, plan.encoder_rows);
+  for (auto r : pl.vision.ranks) {
+    EXPECT_TRUE(torch::equal(back.at(r), rows_of_samples(va[replica_of(pl.vision, r)], 10.0))) << "vision rank " << r;
+  }
+  for (size_t k = 1; k < plan.forward.size(); ++k) {
+    const auto& a = plan.forward[k - 1];
+    const auto& b = plan.forward[k];
+    EXPECT_FALSE(a.src == b.src && a.dst == b.dst && a.src_row + a.rows == b.src_row && a.dst_row + a.rows == b.dst_row)
+        << "pieces " << k - 1 << " and " << k << " could be one";
+  }
+  // The same assignment on both sides of an aligned pair moves nothing between ranks.
+  if (!dhp::parallel::moves_between_ranks(pl.vision, pl.text)) {
+    const auto same = plan_redistribute(pl.vision, ta, pl.text, ta, kRows);
+    for (const auto& p : same.forward) EXPECT_EQ(p.src, p.dst);
+  }
+}
+
+TEST(Redistribute, RefusesAnAssignmentThatLosesOrRepeatsASample) {
+  const auto v = layout("vision", "dp", {0, 1}, 2, 1, 1);
+  const auto t = layout("text", "dp", {0, 1}, 2, 1, 1);
+  using Assign = dhp::parallel::ReplicaSamples;
+  const std::vector<int64_t> rows = {1, 2, 3};
+  EXPECT_NO_THROW(plan_redistribute(v, Assign{{0, 2}, {1}}, t, Assign{{1}, {0, 2}}, rows));
+  EXPECT_THROW(plan_redistribute(v, Assign{{0, 2}, {1, 2}}, t, Assign{{1}, {0, 2}}, rows), dhp::Error);
+  EXPECT_THROW(plan_redistribute(v, Assign{{0}, {1}}, t, Assign{{1}, {0, 2}}, rows), dhp::Error);
+  EXPECT_THROW(plan_redistribute(v, Assign{{0, 1, 2}}, t, Assign{{1}, {0, 2}}, rows), dhp::Error);
 }
 
 // The same moves for real: Gloo point-to-point between ranks as threads.

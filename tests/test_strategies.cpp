@@ -42,6 +42,16 @@ constexpr double kRel = 1e-5;
 
 dhp::Config config(const std::vector<std::string>& sets) { return dhp::testing::parity_config(sets); }
 
+// Rank `rank` of `world` ranks as threads sharing `store`.
+dhp::train::Runtime rank_runtime(int64_t rank, int64_t world, const dhp::dist::Store& store) {
+  dhp::train::Runtime rt;
+  rt.rank = rank;
+  rt.world = world;
+  rt.store = std::make_shared<dhp::dist::Store>(store);
+  rt.timeout = dhp::testing::kTestTimeout;
+  return rt;
+}
+
 const std::vector<std::string> kLinearAdam = {"training.eps=1", "training.lr=0.1", "training.min_lr=0.01"};
 
 struct TrainedRun {
@@ -69,12 +79,7 @@ TrainedRun train_parallel(const Case& c, const std::vector<std::string>& extra) 
   std::mutex mu;
   TrainedRun got;
   run_ranks(c.world, [&](int64_t rank, const dhp::dist::Store& store) {
-    dhp::train::Runtime rt;
-    rt.rank = rank;
-    rt.world = c.world;
-    rt.store = std::make_shared<dhp::dist::Store>(store);
-    rt.timeout = dhp::testing::kTestTimeout;
-    dhp::train::Trainer t(cfg, rt);
+    dhp::train::Trainer t(cfg, rank_runtime(rank, c.world, store));
     std::vector<double> losses;
     for (int i = 0; i < kSteps; ++i) losses.push_back(t.train_step().loss);
     auto params = t.full_parameters();
@@ -271,12 +276,7 @@ TEST(StrategyAccounting, HeldElementsFollowTheStrategy) {
     const auto cfg = config(sets);
     std::vector<std::pair<HeldElements, HeldElements>> out(2);
     run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {
-      dhp::train::Runtime rt;
-      rt.rank = rank;
-      rt.world = 2;
-      rt.store = std::make_shared<dhp::dist::Store>(store);
-      rt.timeout = dhp::testing::kTestTimeout;
-      dhp::train::ParallelModel pm(cfg, dhp::train::resolve_layouts(cfg, 2), rt);
+      dhp::train::ParallelModel pm(cfg, dhp::train::resolve_layouts(cfg, 2), rank_runtime(rank, 2, store));
       out[static_cast<size_t>(rank)] = {pm.held("vision"), pm.held("text")};
     });
     return out;
@@ -318,6 +318,49 @@ TEST(StrategyAccounting, HeldElementsFollowTheStrategy) {
   }
   EXPECT_GE(merger_sum, merger_params);      // the merger's slices, padded
   EXPECT_LE(merger_sum, merger_params + 20);
+}
+
+// How a micro-batch's samples go to each module's data-parallel replicas: two large images
+// then two small ones. By cost, each replica takes one of each; contiguous, the first replica
+// takes both large ones. Modules on the same ranks in the same replicas (dp | dp) share one
+// assignment; a one-replica vision module (sp) takes everything while the text replicas
+// balance on their own.
+TEST(StrategyBalance, ReplicasTakeSamplesByCost) {
+  using Assign = dhp::parallel::ReplicaSamples;
+  const auto mc = config({}).model.config;
+  auto sample = [&](int64_t grid) {
+    dhp::data::Sample s;
+    s.grids = {{1, grid, grid}};
+    s.ids.assign(4, 1);
+    s.ids.insert(s.ids.end(), static_cast<size_t>(grid * grid / 4), mc.image_token_id);
+    s.ids.insert(s.ids.end(), {7, 8, 9});
+    s.labels.assign(s.ids.size(), -100);
+    s.labels.back() = 9;
+    return s;
+  };
+  const std::vector<dhp::data::Sample> mb = {sample(12), sample(12), sample(2), sample(2)};
+  auto assignments = [&](const std::vector<std::string>& sets) {
+    const auto cfg = config(sets);
+    std::vector<std::vector<Assign>> out(2);
+    std::vector<std::vector<bool>> encodes(2);
+    run_ranks(2, [&](int64_t rank, const dhp::dist::Store& store) {
+      dhp::train::ParallelModel pm(cfg, dhp::train::resolve_layouts(cfg, 2), rank_runtime(rank, 2, store));
+      out[static_cast<size_t>(rank)] = pm.assign(mb);
+      encodes[static_cast<size_t>(rank)] = pm.encodes(mb);
+    });
+    EXPECT_EQ(out[0], out[1]) << "every rank computes the same assignment";
+    return std::make_pair(out[0], encodes);
+  };
+  const auto [dp, dp_encodes] = assignments({"parallel.strategy=dp"});
+  EXPECT_EQ(dp, (std::vector<Assign>{{{0, 2}, {1, 3}}, {{0, 2}, {1, 3}}}));
+  EXPECT_EQ(dp_encodes, (std::vector<std::vector<bool>>{{true, false, true, false}, {false, true, false, true}}));
+  const auto [sp_dp, sp_dp_encodes] = assignments(
+      {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=dp"});
+  EXPECT_EQ(sp_dp, (std::vector<Assign>{{{0, 1, 2, 3}}, {{0, 2}, {1, 3}}}));
+  EXPECT_EQ(sp_dp_encodes[0], std::vector<bool>(4, true));
+  const auto [contiguous, unused] = assignments({"parallel.strategy=dp", "parallel.balance=contiguous"});
+  EXPECT_EQ(contiguous, (std::vector<Assign>{{{0, 1}, {2, 3}}, {{0, 1}, {2, 3}}}));
+  EXPECT_THROW(config({"parallel.balance=sizes"}).validate(), dhp::Error);
 }
 
 TEST(StrategyLayouts, ImpossibleLayoutsAreRefusedWithTheNumbers) {

@@ -25,7 +25,8 @@ namespace {
 
 const char* const kHelp =
     "usage: dhp bench [--config FILE] [--set KEY=VALUE]... [--strategies LIST] [--point NAME:K=V;K=V]...\n"
-    "                 [--vision-tokens LIST | --image-sides LIST] [--frames F] [--batch-sizes LIST]\n"
+    "                 [--vision-tokens LIST | --image-sides LIST | --mixed-sides MIN-MAX] [--frames F]\n"
+    "                 [--batch-sizes LIST]\n"
     "                 [--memory-limit SIZE] [--nproc N] [--steps N] [--warmup N] [--repeats N]\n"
     "                 [--out DIR] [--no-plot]\n\n"
     "For each point and vision length, runs 'dhp train --nproc N' jobs (own worker processes), trying\n"
@@ -43,6 +44,9 @@ const char* const kHelp =
     "  --vision-tokens LIST patches per image (before the 2x2 merge), each the square of an even\n"
     "                       number: images are that square (default 64,256 = 112 and 224 px)\n"
     "  --image-sides LIST   the same given as square image sides in pixels (multiples of 28)\n"
+    "  --mixed-sides MIN-MAX one length of mixed resolution instead: every image's height and\n"
+    "                       width drawn from MIN..MAX px (multiples of 28); throughput is the\n"
+    "                       measured patches/s (what parallel.balance is for)\n"
     "  --frames F           video points: every sample a clip of F frames (even) of the moving\n"
     "                       shapes task, the lengths above per frame; patches per clip = per frame\n"
     "                       x F / 2 (temporal patches of 2 frames)\n"
@@ -90,6 +94,12 @@ BenchFlags parse_flags(int argc, char** argv, int first) {
       o.vision_tokens = parse_int_list(f, next());
     } else if (f == "--image-sides") {
       b.sides = parse_int_list(f, next());
+    } else if (f == "--mixed-sides") {
+      const std::string v = next();
+      const auto dash = v.find('-');
+      DHP_CHECK(dash != std::string::npos && dash > 0, "--mixed-sides '", v, "' must be MIN-MAX, e.g. 112-896");
+      o.mixed_min_side = parse_int(f, v.substr(0, dash));
+      o.mixed_max_side = parse_int(f, v.substr(dash + 1));
     } else if (f == "--frames") {
       o.frames = parse_int(f, next());
     } else if (f == "--batch-sizes") {

@@ -66,6 +66,10 @@ inline const std::vector<ParityCase>& parity_matrix() {
     {"zero3_tp4_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=zero3", "parallel.text.strategy=tp"}},
     {"sp4_dp_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=sp", "parallel.text.strategy=dp"}},
     {"tp4_zero3_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=tp", "parallel.text.strategy=zero3"}},
+    // Replicas taking contiguous runs of samples instead of balancing by cost (the default)
+    {"zero3_contiguous_4", 4, {"parallel.strategy=zero3", "parallel.balance=contiguous"}},
+    {"dp4_tp2x2_contiguous_4", 4, {"parallel.strategy=custom", "parallel.vision.strategy=dp",
+                                   "parallel.text.strategy=tp", "parallel.text.tp=2", "parallel.balance=contiguous"}},
     // Placement: unequal group sizes, disjoint and overlapping rank sets, 4 micro-batches.
     {"sp2_tp2x2_overlap_mb4_4", 4, {"parallel.strategy=dhp", "parallel.vision.ranks=[0,1]", "parallel.text.tp=2",
                                     "training.micro_batches=4"}},

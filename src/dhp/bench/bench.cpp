@@ -96,6 +96,23 @@ double RunMetrics::idle_fraction(const std::vector<int64_t>& ranks) const {
   return step_time_s > 0 ? mean_over(idle_s_per_rank, ranks) / step_time_s : 0;
 }
 
+double RunMetrics::stall_fraction(const std::vector<int64_t>& ranks) const {
+  if (step_time_s <= 0 || vision_s_per_rank.empty()) return 0;
+  double s = 0;
+  int64_t n = 0;
+  for (auto r : ranks) {
+    const auto k = static_cast<size_t>(r);
+    if (r < 0 || k >= vision_s_per_rank.size() || k >= text_s_per_rank.size() || k >= update_s_per_rank.size() ||
+        k >= comm_s_per_rank.size()) {
+      continue;
+    }
+    const double work = vision_s_per_rank[k] + text_s_per_rank[k] + update_s_per_rank[k] - comm_s_per_rank[k];
+    s += std::max(0.0, step_time_s - work);
+    ++n;
+  }
+  return n ? s / static_cast<double>(n) / step_time_s : 0;
+}
+
 double RunMetrics::mean_over(const std::vector<double>& per_rank, const std::vector<int64_t>& ranks) {
   double s = 0;
   int64_t n = 0;
@@ -123,6 +140,7 @@ const char* outcome_name(Outcome o) {
 
 double PointResult::throughput() const {
   if (!ok() || metrics.step_time_s <= 0) return 0;
+  if (mixed()) return metrics.patches_per_s;
   return static_cast<double>(vision_tokens * batch_size) / metrics.step_time_s;
 }
 
@@ -263,10 +281,16 @@ PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t
   r.frames = o.frames;
   r.vision_tokens = o.frames > 0 ? tokens * ((o.frames + temporal_patch - 1) / temporal_patch) : tokens;
   r.image_side = side;
+  if (o.mixed_max_side > 0) {
+    r.vision_tokens = 0;
+    r.image_side = o.mixed_min_side;
+    r.max_side = o.mixed_max_side;
+  }
   r.sets = o.sets;
   r.sets.insert(r.sets.end(), p.sets.begin(), p.sets.end());
   if (o.frames > 0) r.sets.push_back("data.frames=" + std::to_string(o.frames));
-  for (const auto& s : {"data.min_side=" + std::to_string(side), "data.max_side=" + std::to_string(side),
+  for (const auto& s : {"data.min_side=" + std::to_string(r.image_side),
+                        "data.max_side=" + std::to_string(r.mixed() ? r.max_side : r.image_side),
                         "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0"),
                         std::string("checkpoint.at_end=false")}) {
     r.sets.push_back(s);
@@ -294,7 +318,9 @@ Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::st
   }
   if (!o.quiet) std::fprintf(stderr, "%s, batch %lld\n", progress.c_str(), static_cast<long long>(batch));
   const fs::path dir =
-      fs::path(o.out) / "runs" / (r.name + "_" + std::to_string(r.vision_tokens) + "_b" + std::to_string(batch) + suffix);
+      fs::path(o.out) / "runs" /
+      (r.name + "_" + (r.mixed() ? std::string("mixed") : std::to_string(r.vision_tokens)) + "_b" +
+       std::to_string(batch) + suffix);
   fs::create_directories(dir);
   std::vector<std::string> argv = {"dhp", "train", "--nproc", std::to_string(o.nproc), "--out", dir.string()};
   if (!o.config.empty()) argv.insert(argv.end(), {"--config", o.config});
@@ -324,7 +350,10 @@ void check_options(const Options& o) {
   DHP_CHECK(o.warmup >= 0, "--warmup must be >= 0, got ", o.warmup);
   DHP_CHECK(o.nproc >= 1, "--nproc must be >= 1, got ", o.nproc);
   DHP_CHECK(o.repeats >= 1, "--repeats must be >= 1, got ", o.repeats);
-  DHP_CHECK(!o.vision_tokens.empty(), "no vision length to measure");
+  DHP_CHECK(!o.vision_tokens.empty() || o.mixed_max_side > 0, "no vision length to measure");
+  DHP_CHECK((o.mixed_min_side == 0 && o.mixed_max_side == 0) ||
+                (o.mixed_min_side > 0 && o.mixed_max_side >= o.mixed_min_side),
+            "mixed sides ", o.mixed_min_side, "-", o.mixed_max_side, " must be 0 < MIN <= MAX");
   DHP_CHECK(o.frames >= 0 && o.frames % 2 == 0, "--frames ", o.frames, " must be an even number >= 0 (0: images)");
 }
 
@@ -347,6 +376,10 @@ class Progress {
 };
 
 std::string describe_point(const PointResult& r) {
+  if (r.mixed()) {
+    return r.name + ", mixed " + std::string(r.frames > 0 ? "clips of " + std::to_string(r.frames) + " frames" : "images") +
+           " of " + std::to_string(r.image_side) + "-" + std::to_string(r.max_side) + " px";
+  }
   if (r.frames > 0) {
     return r.name + ", " + std::to_string(r.vision_tokens) + " patches/clip (" + std::to_string(r.frames) + " frames of " +
            std::to_string(r.image_side) + " px)";
@@ -389,7 +422,16 @@ std::vector<PointResult> run(const Options& o) {
   const auto base = load_config(o.config, o.sets);
   const auto& vc = base.model.config.vision;
   std::vector<int64_t> sides;
-  for (auto t : o.vision_tokens) sides.push_back(image_side_for(t, vc.patch_size, vc.spatial_merge_size));
+  const auto lengths = o.mixed_max_side > 0 ? std::vector<int64_t>{0} : o.vision_tokens;
+  if (o.mixed_max_side > 0) {
+    const int64_t unit = vc.patch_size * vc.spatial_merge_size;
+    DHP_CHECK(o.mixed_min_side % unit == 0 && o.mixed_max_side % unit == 0, "mixed sides ", o.mixed_min_side, "-",
+              o.mixed_max_side, " must be multiples of ", unit, " px (whole merge windows)");
+    sides.push_back(o.mixed_min_side);
+  }
+  for (auto t : o.mixed_max_side > 0 ? std::vector<int64_t>{} : o.vision_tokens) {
+    sides.push_back(image_side_for(t, vc.patch_size, vc.spatial_merge_size));
+  }
   const auto batches = o.batch_sizes.empty() ? std::vector<int64_t>{base.data.batch_size} : o.batch_sizes;
   fs::create_directories(o.out);
   const bool bf16 = base.training.precision == "bf16";
@@ -397,10 +439,10 @@ std::vector<PointResult> run(const Options& o) {
   const double peak = gemm_peak_gflops(bf16 ? c10::ScalarType::BFloat16 : c10::ScalarType::Float);
 
   std::vector<PointResult> results;
-  Progress progress(o.points.size() * o.vision_tokens.size() * static_cast<size_t>(o.repeats));
+  Progress progress(o.points.size() * lengths.size() * static_cast<size_t>(o.repeats));
   for (const auto& p : o.points) {
-    for (size_t v = 0; v < o.vision_tokens.size(); ++v) {
-      auto r = make_point(o, p, o.vision_tokens[v], sides[v], vc.temporal_patch_size);
+    for (size_t v = 0; v < lengths.size(); ++v) {
+      auto r = make_point(o, p, lengths[v], sides[v], vc.temporal_patch_size);
       const std::string what = describe_point(r) + (o.repeats > 1 ? ", round 1" : "");
       search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress.line(what)); }, r);
       progress.job_done();

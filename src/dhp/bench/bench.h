@@ -34,6 +34,10 @@ struct Options {
   std::vector<Point> points;
   std::vector<int64_t> vision_tokens{64, 256};  // patches per image (square images), per frame with `frames`
   int64_t frames = 0;                      // > 0: every sample a clip of the moving task with this many frames
+  // > 0: one length instead of vision_tokens: images of random heights and widths in
+  // [mixed_min_side, mixed_max_side] px (data.min_side / data.max_side), a mixed-resolution
+  // batch; throughput is then the measured vision patches / s.
+  int64_t mixed_min_side = 0, mixed_max_side = 0;
   std::vector<int64_t> batch_sizes;        // tried largest first; empty: data.batch_size of the config
   std::string memory_limit;                // per-rank budget, e.g. 2GiB (empty: the config's)
   int64_t nproc = 2;
@@ -57,6 +61,10 @@ struct RunMetrics {
   double samples_s = 0;                                     // making the step's samples (rank 0)
   double comm_fraction() const;          // mean over ranks of comm time / step time
   double idle_fraction(const std::vector<int64_t>& ranks) const;
+  // Mean over `ranks` of the step's time spent not computing, / step time: the step minus
+  // (vision + text + update - communication), i.e. waiting for another module or replica, or
+  // in a collective. 0 when the per-module timers are absent.
+  double stall_fraction(const std::vector<int64_t>& ranks) const;
   // Mean over `ranks` of a per-rank figure (seconds per step).
   static double mean_over(const std::vector<double>& per_rank, const std::vector<int64_t>& ranks);
   double max_peak_bytes() const;
@@ -76,6 +84,7 @@ struct PointResult {
   std::string name, layout;
   int64_t vision_tokens = 0, image_side = 0;  // patches per sample (a clip's: per frame x temporal patches); side in px
   int64_t frames = 0;                         // frames per clip; 0: still images
+  int64_t max_side = 0;                       // > 0: mixed sides image_side..max_side (vision_tokens 0)
   std::vector<std::string> sets;
   std::vector<int64_t> vision_ranks, text_ranks;
   int64_t batch_size = 0;  // the largest that ran; 0 when none did
@@ -86,7 +95,9 @@ struct PointResult {
   std::vector<double> round_step_s;  // the kept batch's step time in each round that ran, in order
   int64_t failed_rounds = 0;         // later rounds of the kept batch that failed (logged, left out)
   bool ok() const { return batch_size > 0; }
-  // Vision patches per sample x batch / step time (the reference's metric); 0 when none ran.
+  bool mixed() const { return max_side > 0; }
+  // Vision patches per sample x batch / step time (the reference's metric; mixed sizes: the
+  // measured patches / s); 0 when none ran.
   double throughput() const;
 };
 

@@ -101,7 +101,11 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
     if (std::find(lengths.begin(), lengths.end(), r.vision_tokens) == lengths.end()) lengths.push_back(r.vision_tokens);
   for (auto t : lengths) {
     const auto* any = find(results, names[0], t);
-    os << "| " << t << " | " << (any ? any->image_side : 0) << " |";
+    if (any && any->mixed()) {
+      os << "| mixed (measured) | " << any->image_side << "-" << any->max_side << " |";
+    } else {
+      os << "| " << t << " | " << (any ? any->image_side : 0) << " |";
+    }
     for (const auto& n : names) {
       const auto* r = find(results, n, t);
       if (!r) os << " - |";
@@ -118,12 +122,18 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
     os << "\n";
   }
   os << "\n| point | vision patches | batch | throughput | step s | text tok/s | peak MiB per rank | comm % | "
-        "model GFLOP/s per rank | % of GEMM peak | idle % vision / text | vision s / text s | layout |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "model GFLOP/s per rank | % of GEMM peak | idle % vision / text | stalled % vision / text | "
+        "vision s / text s | layout |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : results) {
-    os << "| " << r.name << " | " << r.vision_tokens << " | ";
+    os << "| " << r.name << " | "
+       << (r.mixed() ? (r.ok() ? fmt("%.0f", r.metrics.patches_per_s * r.metrics.step_time_s /
+                                                  static_cast<double>(r.batch_size)) + " (mean)"
+                               : std::string("mixed"))
+                     : std::to_string(r.vision_tokens))
+       << " | ";
     if (!r.ok()) {
-      os << (r.oom ? "OOM (tried " + tried(r) + ")" : "failed: " + cell(r.error)) << " |||||||||| "
+      os << (r.oom ? "OOM (tried " + tried(r) + ")" : "failed: " + cell(r.error)) << " ||||||||||| "
          << cell(r.layout) << " |\n";
       continue;
     }
@@ -140,12 +150,15 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
        << fmt("%.0f", 100 * m.comm_fraction()) << " | " << fmt("%.1f", job_gflops / static_cast<double>(o.nproc))
        << " | " << fmt("%.1f", gemm_peak > 0 ? 100 * job_gflops / gemm_peak : 0) << " | "
        << fmt("%.0f", 100 * m.idle_fraction(r.vision_ranks)) << " / " << fmt("%.0f", 100 * m.idle_fraction(r.text_ranks))
-       << " | "
+       << " | " << fmt("%.0f", 100 * m.stall_fraction(r.vision_ranks)) << " / "
+       << fmt("%.0f", 100 * m.stall_fraction(r.text_ranks)) << " | "
        << (m.vision_s_per_rank.empty() ? std::string("-")
                                        : fmt("%.3f", RunMetrics::mean_over(m.vision_s_per_rank, r.vision_ranks)) +
                                              " / " + fmt("%.3f", RunMetrics::mean_over(m.text_s_per_rank, r.text_ranks)))
        << " | " << cell(r.layout) << " |\n";
   }
+  os << "\nidle: blocked on the other module; stalled: not computing (the step minus vision, text and update "
+        "time, plus the communication inside them): waiting for another module or replica, or communicating.\n";
   os << "\nGEMM peak measured in this run: " << fmt("%.1f", gemm_peak) << " GFLOP/s (whole machine, "
      << std::thread::hardware_concurrency() << " threads; " << blas_description() << ").\n";
   return os.str();
@@ -167,7 +180,7 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
     const auto& r = results[i];
     const auto& m = r.metrics;
     f << (i ? ",\n  " : "\n  ") << "{\"strategy\": " << quoted(r.name) << ", \"vision_tokens\": " << r.vision_tokens
-      << ", \"image_side\": " << r.image_side << ", \"frames\": " << r.frames << ", \"batch_size\": " << r.batch_size
+      << ", \"image_side\": " << r.image_side << ", \"max_side\": " << r.max_side << ", \"frames\": " << r.frames << ", \"batch_size\": " << r.batch_size
       << ", \"oom\": " << (r.oom ? "true" : "false") << ", \"throughput\": " << r.throughput()
       << ", \"layout\": " << quoted(r.layout) << ", \"vision_ranks\": " << json_list(r.vision_ranks)
       << ", \"text_ranks\": " << json_list(r.text_ranks);
@@ -185,6 +198,8 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
         << ", \"idle_s_per_rank\": " << json_list(m.idle_s_per_rank)
         << ", \"idle_fraction_vision\": " << m.idle_fraction(r.vision_ranks)
         << ", \"idle_fraction_text\": " << m.idle_fraction(r.text_ranks)
+        << ", \"stall_fraction_vision\": " << m.stall_fraction(r.vision_ranks)
+        << ", \"stall_fraction_text\": " << m.stall_fraction(r.text_ranks)
         << ", \"vision_s_per_rank\": " << json_list(m.vision_s_per_rank)
         << ", \"text_s_per_rank\": " << json_list(m.text_s_per_rank)
         << ", \"update_s_per_rank\": " << json_list(m.update_s_per_rank) << ", \"samples_s\": " << m.samples_s

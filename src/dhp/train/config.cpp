@@ -135,6 +135,8 @@ void Config::validate() const {
     DHP_CHECK(parallel.timeout_s > 0, "parallel.timeout_s must be > 0, got ", parallel.timeout_s);
     DHP_CHECK(parallel.backend == "auto" || parallel.backend == "nccl" || parallel.backend == "gloo",
               "parallel.backend='", parallel.backend, "' is not auto, nccl or gloo");
+    DHP_CHECK(parallel.balance == "cost" || parallel.balance == "contiguous", "parallel.balance='", parallel.balance,
+              "' is not cost or contiguous");
     DHP_CHECK(named != Combination::kCustom || (!parallel.vision.strategy.empty() && !parallel.text.strategy.empty()),
               "parallel.strategy=custom needs parallel.vision.strategy and parallel.text.strategy");
     for (const auto& [key, m] : {std::pair<const char*, const ModuleParallelOptions*>{"parallel.vision.strategy", &parallel.vision},

@@ -197,6 +197,7 @@ struct ParallelOptions {
   double timeout_s = 300;  // collective / rendezvous timeout
   std::string socket_ifname;  // interfaces of a multi-host job's Gloo groups ("" = derived)
   bool pipeline = true;    // pipeline micro-batches between disjoint vision and text ranks
+  std::string balance = "cost";  // cost | contiguous: how a micro-batch's samples go to data-parallel replicas
   ModuleParallelOptions vision, text;
   template <class V>
   void visit(V& v) {
@@ -216,6 +217,11 @@ struct ParallelOptions {
     v.field("pipeline", pipeline,
             "when vision and text run on disjoint ranks, encode micro-batch i+1 while the text ranks work on i "
             "(false: one after the other)");
+    v.field("balance", balance,
+            "how each module gives a micro-batch's samples to its data-parallel replicas: cost (by the forward FLOPs "
+            "of each sample in the module, largest first to the least loaded replica; modules on the same ranks in "
+            "the same replicas share one assignment by their summed cost) or contiguous (equal runs of samples in "
+            "order). The loss and the gradients are the same either way");
     v.section("vision", vision, "vision tower strategy (overrides parallel.strategy)");
     v.section("text", text, "text decoder strategy (overrides parallel.strategy)");
   }

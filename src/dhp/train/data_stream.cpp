@@ -129,17 +129,23 @@ std::vector<std::vector<data::Sample>> DataStream::next_step(const Encodes& enco
       }
     } else {
       const int64_t n = B / M + (mb < B % M ? 1 : 0);
+      const int64_t first = next_sample_;
       for (int64_t i = 0; i < n; ++i) {
-        if (!llava_) {  // generated: pixels only where this rank encodes them
-          samples.push_back(train_data_->get(next_sample_++, encodes(i, n)));
-        } else {
-          samples.push_back(take_sample());
+        // Generated: first without pixels, drawn below only where this rank encodes them.
+        samples.push_back(llava_ ? take_sample() : train_data_->get(next_sample_++, false));
+      }
+      if (!llava_) {
+        const auto mine = encodes(samples);
+        for (int64_t i = 0; i < n; ++i) {
+          if (mine[static_cast<size_t>(i)]) samples[static_cast<size_t>(i)] = train_data_->get(first + i, true);
         }
+        out.push_back(std::move(samples));
+        continue;
       }
     }
-    const auto n = static_cast<int64_t>(samples.size());
-    for (int64_t i = 0; i < n; ++i) {
-      if (!encodes(i, n)) samples[i].pixel_values = torch::Tensor();  // another replica encodes it
+    const auto mine = encodes(samples);
+    for (size_t i = 0; i < samples.size(); ++i) {
+      if (!mine[i]) samples[i].pixel_values = torch::Tensor();  // another replica encodes it
     }
     out.push_back(std::move(samples));
   }

@@ -28,8 +28,9 @@ class DataStream {
   // model's; throws naming the key). The stream starts at position 0.
   explicit DataStream(const Config& cfg);
 
-  // Does this rank need the pixels of sample i of a micro-batch of n?
-  using Encodes = std::function<bool(int64_t i, int64_t n)>;
+  // Which samples of a micro-batch does this rank encode (needs their pixels)? Given the
+  // samples' ids and grids; their pixels may be absent.
+  using Encodes = std::function<std::vector<bool>(const std::vector<data::Sample>& micro_batch)>;
   // The next step's samples, split into training.micro_batches micro-batches, each of at
   // least `min_samples` samples (one per data-parallel replica) when packing.
   std::vector<std::vector<data::Sample>> next_step(const Encodes& encodes, int64_t min_samples);

@@ -69,4 +69,12 @@ double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Samp
   return training_flops(cfg, cu, grids, targets, vision_forward_only);
 }
 
+double vision_sample_flops(const qwen::ModelConfig& cfg, const data::Sample& s) {
+  return s.grids.empty() ? 0.0 : vision_forward_flops(cfg.vision, qwen::make_vision_plan(s.grids, cfg.vision));
+}
+
+double text_sample_flops(const qwen::ModelConfig& cfg, const data::Sample& s) {
+  return text_forward_flops(cfg.text, {0, static_cast<int64_t>(s.ids.size())}, data::num_targets(s));
+}
+
 }  // namespace dhp::train

@@ -19,4 +19,10 @@ double training_flops(const qwen::ModelConfig& cfg, const qwen::Batch& batch, bo
 double training_flops(const qwen::ModelConfig& cfg, const std::vector<data::Sample>& samples,
                       bool vision_forward_only = false);
 
+// The forward FLOPs of one sample alone in the vision tower (its images and clips; 0 without
+// any) and in the decoder (its tokens, its causal attention, the loss head over its answer
+// tokens): the costs a module's data-parallel replicas are balanced by (parallel.balance).
+double vision_sample_flops(const qwen::ModelConfig& cfg, const data::Sample& sample);
+double text_sample_flops(const qwen::ModelConfig& cfg, const data::Sample& sample);
+
 }  // namespace dhp::train

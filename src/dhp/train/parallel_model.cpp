@@ -17,6 +17,7 @@
 #include "dhp/models/qwen2_5_vl/peft.h"
 #include "dhp/parallel/redistribute.h"
 #include "dhp/parallel/tensor_parallel.h"
+#include "dhp/train/flops.h"
 #include "dhp/train/transfers.h"
 
 namespace dhp::train {
@@ -130,7 +131,8 @@ struct ParallelModel::Transfer {
   torch::Tensor encoder_grad;  // (rows of this encoder replica, C)
 };
 struct ParallelModel::MicroBatchState {
-  std::vector<Transfer> of;  // one per encoder, in module order
+  std::vector<parallel::ReplicaSamples> replicas;  // each module's assignment (assign())
+  std::vector<Transfer> of;                        // one per encoder, in module order
 };
 
 ParallelModel::~ParallelModel() = default;
@@ -230,24 +232,75 @@ std::vector<Action> ParallelModel::schedule(int64_t micro_batches) const {
   return make_schedule(layouts_.modules, rt_.rank, micro_batches, cfg_.parallel.pipeline, forward_only_);
 }
 
-bool ParallelModel::encodes(int64_t i, int64_t n) const {
+std::vector<parallel::ReplicaSamples> ParallelModel::assign(const std::vector<data::Sample>& mb) const {
+  const auto n = static_cast<int64_t>(mb.size());
+  const auto& mods = layouts_.modules;
+  std::vector<parallel::ReplicaSamples> out(mods.size());
+  if (cfg_.parallel.balance == "contiguous") {
+    for (size_t m = 0; m < mods.size(); ++m) out[m] = parallel::contiguous_replicas(n, mods[m].dp);
+    return out;
+  }
+  // Training FLOPs of each sample per module: 3x forward, a forward-only encoder 1x.
+  const auto& mc = cfg_.model.config;
+  const size_t dec = mods.size() - 1;
+  std::vector<std::vector<double>> cost(mods.size(), std::vector<double>(mb.size(), 0.0));
+  std::vector<std::vector<bool>> has_input(dec);
+  for (size_t i = 0; i < mb.size(); ++i) cost[dec][i] = 3 * text_sample_flops(mc, mb[i]);
+  std::vector<bool> aligned(dec), first(mb.size(), false);
+  for (size_t e = 0; e < dec; ++e) {
+    aligned[e] = !parallel::moves_between_ranks(mods[e], mods[dec]);
+    has_input[e].resize(mb.size());
+    for (size_t i = 0; i < mb.size(); ++i) {
+      cost[e][i] = (forward_only_.at(e) ? 1 : 3) * vision_sample_flops(mc, mb[i]);
+      has_input[e][i] = qwen::encoder_rows(mc, static_cast<int64_t>(e), mb[i].ids) > 0;
+      // An encoder on the decoder's ranks and replicas shares its assignment (no rows move).
+      if (aligned[e]) {
+        cost[dec][i] += cost[e][i];
+        first[i] = first[i] || has_input[e][i];
+      }
+    }
+  }
+  out[dec] = parallel::balanced_replicas(cost[dec], mods[dec].dp, first);
+  for (size_t e = 0; e < dec; ++e) {
+    out[e] = aligned[e] ? out[dec] : parallel::balanced_replicas(cost[e], mods[e].dp, has_input[e]);
+  }
+  return out;
+}
+
+std::vector<bool> ParallelModel::encodes(const std::vector<data::Sample>& mb) const {
+  std::vector<bool> out(mb.size(), false);
+  const auto a = assign(mb);
   for (int64_t e = 0; e < encoders(); ++e) {
     const auto& s = stages_[static_cast<size_t>(e)];
     if (!s.member) continue;
-    const auto c = parallel::replica_chunk(n, s.layout.dp, s.coord.dp);
-    if (i >= c.first && i < c.second) return true;
+    for (auto i : a[static_cast<size_t>(e)][static_cast<size_t>(s.coord.dp)]) out[static_cast<size_t>(i)] = true;
   }
-  return false;
+  return out;
 }
+
+namespace {
+
+std::vector<data::Sample> samples_of(const std::vector<data::Sample>& mb, const std::vector<int64_t>& which) {
+  std::vector<data::Sample> out;
+  out.reserve(which.size());
+  for (auto i : which) out.push_back(mb[static_cast<size_t>(i)]);
+  return out;
+}
+
+}  // namespace
 
 ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vector<data::Sample>> micro,
                                                           double global_targets) {
   std::vector<MicroBatchState> state(micro.size());
   for (size_t i = 0; i < micro.size(); ++i) {
+    state[i].replicas = assign(micro[i]);
+    const auto& dec = state[i].replicas.back();
     for (int64_t e = 0; e < encoders(); ++e) {
       std::vector<int64_t> rows;
       for (const auto& s : micro[i]) rows.push_back(qwen::encoder_rows(cfg_.model.config, e, s.ids));
-      state[i].of.push_back({parallel::plan_redistribute(layouts_.modules[static_cast<size_t>(e)], layouts_.decoder(), rows)});
+      state[i].of.push_back({parallel::plan_redistribute(layouts_.modules[static_cast<size_t>(e)],
+                                                         state[i].replicas[static_cast<size_t>(e)], layouts_.decoder(),
+                                                         dec, rows)});
     }
   }
   StepResult result;
@@ -263,26 +316,26 @@ ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vecto
   return result;
 }
 
-torch::Tensor ParallelModel::encode_chunk(int64_t encoder, std::vector<data::Sample>& mb, int64_t micro_batch) {
-  const int64_t n = static_cast<int64_t>(mb.size());
+torch::Tensor ParallelModel::encode_chunk(int64_t encoder, std::vector<data::Sample>& mb, const MicroBatchState& st,
+                                          int64_t micro_batch) {
   const auto& es = stages_[static_cast<size_t>(encoder)];
-  const auto ec = parallel::replica_chunk(n, es.layout.dp, es.coord.dp);
+  const auto& replicas = st.replicas[static_cast<size_t>(encoder)];
+  const auto& mine = replicas[static_cast<size_t>(es.coord.dp)];
   // Encoder replicas that share collectives across replicas (ZeRO-3 gathers) must all run.
   const auto& mc = cfg_.model.config;
   if (es.strategy->replicas_run_together()) {
-    for (int64_t v = 0; v < es.layout.dp; ++v) {
-      const auto c = parallel::replica_chunk(n, es.layout.dp, v);
+    for (size_t v = 0; v < replicas.size(); ++v) {
       bool any = false;
-      for (int64_t i = c.first; i < c.second; ++i) any = any || qwen::encoder_rows(mc, encoder, mb[i].ids) > 0;
+      for (auto i : replicas[v]) any = any || qwen::encoder_rows(mc, encoder, mb[static_cast<size_t>(i)].ids) > 0;
       DHP_CHECK(any, es.layout.name, " ", dist::strategy_name(es.layout.strategy), ": replica ", v,
-                " has no input for the module in its samples ", c.first, "..", c.second - 1, " of micro-batch ",
-                micro_batch, "; every replica needs one");
+                " has no input for the module among its ", replicas[v].size(), " of the ", mb.size(),
+                " samples of micro-batch ", micro_batch, "; every replica needs one (more samples with images per ",
+                "micro-batch, or fewer replicas)");
     }
   }
-  auto batch = qwen::to_device(
-      data::collate(std::vector<data::Sample>(mb.begin() + ec.first, mb.begin() + ec.second), mc), device_);
+  auto batch = qwen::to_device(data::collate(samples_of(mb, mine), mc), device_);
   // Packed now: the samples' own copies of the pixels are no longer needed.
-  for (int64_t i = ec.first; i < ec.second; ++i) mb[static_cast<size_t>(i)].pixel_values = torch::Tensor();
+  for (auto i : mine) mb[static_cast<size_t>(i)].pixel_values = torch::Tensor();
   auto out = encode(encoder, batch);
   batch = qwen::Batch();
   return out;
@@ -322,7 +375,7 @@ void ParallelModel::run_action(const Action& a, std::vector<std::vector<data::Sa
   auto& tr = st.of[static_cast<size_t>(a.op == Op::kDecode ? 0 : a.module)];
   switch (a.op) {
     case Op::kEncode:
-      tr.encoder_out = encode_chunk(a.module, mb, a.micro_batch);
+      tr.encoder_out = encode_chunk(a.module, mb, st, a.micro_batch);
       break;
     case Op::kSendActivations:
       transfer(a, tr.plan, tr.encoder_out);
@@ -367,11 +420,10 @@ const dist::Group& ParallelModel::channel(const Action& a) const {
 
 torch::Tensor ParallelModel::decode_chunk(std::vector<data::Sample>& mb, MicroBatchState& st, double global_targets) {
   const auto& ds = decoder();
-  const auto c = parallel::replica_chunk(static_cast<int64_t>(mb.size()), ds.layout.dp, ds.coord.dp);
   std::vector<torch::Tensor> rows;
   for (const auto& tr : st.of) rows.push_back(tr.decoder_in);
-  const auto batch = qwen::to_device(
-      data::collate(std::vector<data::Sample>(mb.begin() + c.first, mb.begin() + c.second), cfg_.model.config), device_);
+  const auto& mine = st.replicas.back()[static_cast<size_t>(ds.coord.dp)];
+  const auto batch = qwen::to_device(data::collate(samples_of(mb, mine), cfg_.model.config), device_);
   auto out = qwen::decode(*model_, batch, rows);
   (out.loss_sum / global_targets).backward();
   return ds.coord.tp == 0 ? out.loss_sum.detach().to(torch::kFloat64) : torch::Tensor();

@@ -122,8 +122,12 @@ class ParallelModel {
   // to the text ranks, the decoder runs and (TP) the vocabulary shards are gathered.
   // Collective. Each module must be one replica (dp = 1).
   torch::Tensor forward_logits(const qwen::Batch& batch);
-  // Does this rank's vision replica encode sample i of a micro-batch of n (needs its pixels)?
-  bool encodes(int64_t i, int64_t n) const;
+  // Which samples of micro-batch `mb` each module's data-parallel replicas take (one
+  // assignment per module, encoders first; parallel.balance), the same on every rank: needs
+  // the samples' ids and grids, not their pixels.
+  std::vector<parallel::ReplicaSamples> assign(const std::vector<data::Sample>& mb) const;
+  // Which samples of `mb` this rank's encoder replicas encode (they need their pixels).
+  std::vector<bool> encodes(const std::vector<data::Sample>& mb) const;
   // What module `name`'s strategy holds on this rank ({0, 0} where it does not run).
   parallel::HeldElements held(const std::string& name) const;
   // Gradient sums, global-norm clipping (max_norm 0 = off), optimizer steps. Returns the
@@ -170,7 +174,8 @@ class ParallelModel {
   int64_t encoders() const;  // the modules before it
   // This rank's replica's output rows of encoder `encoder` for micro-batch `mb` (0 rows
   // when its samples have nothing for it).
-  torch::Tensor encode_chunk(int64_t encoder, std::vector<data::Sample>& mb, int64_t micro_batch);
+  torch::Tensor encode_chunk(int64_t encoder, std::vector<data::Sample>& mb, const MicroBatchState& st,
+                             int64_t micro_batch);
   // Decoder forward and backward of this rank's replica's samples of `mb`; returns the loss
   // sum this rank reports, a 0-dim fp64 tensor on the device (undefined on TP ranks other
   // than the first).

@@ -47,7 +47,7 @@ const data::ShapesDataset& Trainer::dataset() const {
 }
 
 std::vector<std::vector<data::Sample>> Trainer::next_step_samples() {
-  return data_.next_step([this](int64_t i, int64_t n) { return parallel_->encodes(i, n); },
+  return data_.next_step([this](const std::vector<data::Sample>& mb) { return parallel_->encodes(mb); },
                          parallel_->layouts().max_dp());
 }
 
