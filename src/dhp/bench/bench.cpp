@@ -140,7 +140,7 @@ const char* outcome_name(Outcome o) {
 
 double PointResult::throughput() const {
   if (!ok() || metrics.step_time_s <= 0) return 0;
-  if (mixed()) return metrics.patches_per_s;
+  if (mixed()) return metrics.patches_per_step / metrics.step_time_s;
   return static_cast<double>(vision_tokens * batch_size) / metrics.step_time_s;
 }
 
@@ -211,7 +211,7 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   DHP_CHECK(f.good(), "no metrics at ", path);
   RunMetrics r;
   std::string line;
-  std::vector<double> step_s, patches_s, tokens_s, flops;
+  std::vector<double> step_s, patches_s, tokens_s, flops, patches;
   std::vector<std::vector<double>> comm, busy, idle, vision, text, update;
   std::vector<double> samples;
   auto add = [](std::vector<std::vector<double>>& to, const std::vector<double>& v) {
@@ -230,6 +230,7 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
       patches_s.push_back(n["patches_per_s"].as<double>());
       tokens_s.push_back(n["tokens_per_s"].as<double>());
       flops.push_back(n["model_flops"].as<double>());
+      if (n["patches"]) patches.push_back(n["patches"].as<double>());
       const auto peak = n["peak_bytes_per_rank"].as<std::vector<double>>();
       if (r.peak_bytes_per_rank.size() < peak.size()) r.peak_bytes_per_rank.resize(peak.size(), 0);
       for (size_t k = 0; k < peak.size(); ++k) r.peak_bytes_per_rank[k] = std::max(r.peak_bytes_per_rank[k], peak[k]);
@@ -251,6 +252,7 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
   r.patches_per_s = mean(patches_s);
   r.tokens_per_s = mean(tokens_s);
   r.model_flops = mean(flops);
+  r.patches_per_step = mean(patches);
   for (auto& c : comm) r.comm_s_per_rank.push_back(mean(c));
   for (auto& b : busy) r.busy_s_per_rank.push_back(mean(b));
   for (auto& i : idle) r.idle_s_per_rank.push_back(mean(i));

@@ -54,6 +54,7 @@ struct Options {
 struct RunMetrics {
   int64_t steps_measured = 0;
   double step_time_s = 0, patches_per_s = 0, tokens_per_s = 0;
+  double patches_per_step = 0;  // vision patches of the whole batch, mean over the steps
   double model_flops = 0;  // per step, whole job
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
   std::vector<double> vision_s_per_rank, text_s_per_rank;  // inside each module's forward/backward
@@ -97,7 +98,7 @@ struct PointResult {
   bool ok() const { return batch_size > 0; }
   bool mixed() const { return max_side > 0; }
   // Vision patches per sample x batch / step time (the reference's metric; mixed sizes: the
-  // measured patches / s); 0 when none ran.
+  // measured patches per step / step time); 0 when none ran.
   double throughput() const;
 };
 

@@ -127,8 +127,8 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const auto& r : results) {
     os << "| " << r.name << " | "
-       << (r.mixed() ? (r.ok() ? fmt("%.0f", r.metrics.patches_per_s * r.metrics.step_time_s /
-                                                  static_cast<double>(r.batch_size)) + " (mean)"
+       << (r.mixed() ? (r.ok() ? fmt("%.0f", r.metrics.patches_per_step / static_cast<double>(r.batch_size)) +
+                                     " (mean)"
                                : std::string("mixed"))
                      : std::to_string(r.vision_tokens))
        << " | ";
@@ -188,6 +188,7 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
     if (r.ok()) {
       const double job_gflops = m.model_flops / m.step_time_s / 1e9;
       f << ", \"step_time_s\": " << m.step_time_s << ", \"steps_measured\": " << m.steps_measured
+        << ", \"patches_per_step\": " << m.patches_per_step
         << ", \"patches_per_s\": " << m.patches_per_s << ", \"tokens_per_s\": " << m.tokens_per_s
         << ", \"model_flops_per_step\": " << m.model_flops
         << ", \"model_gflops_per_rank\": " << job_gflops / static_cast<double>(o.nproc)
