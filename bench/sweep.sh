@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The reference's study on this machine: throughput of dhp, tp and zero3 by vision length,
+# The reference's study on this machine: throughput of dhp, tp, zero3 and the planner's
+# choice (auto: every layout, degree, placement and micro-batch count) by vision length,
 # the largest batch of 4, 2, 1 that fits a per-rank memory limit (700 MiB on 2 ranks, 400 MiB
 # on 4; DHP_SWEEP_LIMIT_2 / _4 override), on 2 and then 4 ranks. ~3 and ~15 minutes here.
 #   bash bench/sweep.sh [2|4|all] [extra dhp bench flags, e.g. --repeats 3 on a noisy machine]
@@ -13,7 +14,7 @@ sweep() {
   shift 3
   local out=bench/results/sweep_${n}rank
   mkdir -p "$out"
-  ./build/dhp bench --config configs/bench.yaml --strategies dhp,tp,zero3 --vision-tokens "$tokens" \
+  ./build/dhp bench --config configs/bench.yaml --strategies dhp,tp,zero3,auto --vision-tokens "$tokens" \
     --batch-sizes 1,2,4 --memory-limit "$limit" --nproc "$n" --steps 5 --warmup 2 \
     --out "runs/sweep_${n}rank" "$@"
   cp "runs/sweep_${n}rank/table.md" "runs/sweep_${n}rank/results.json" "$out/"

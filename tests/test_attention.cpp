@@ -66,6 +66,31 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"dense_buckets_in_chunks_causal", repeated({8, 2, 5}, 9), true, 16}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// A padded segment's padding rows stand in with position 0's query and log-sum-exp. Where
+// that query meets the padded segment's keys with a large score, exp(score - lse) overflowed
+// to inf and inf x 0 made every gradient of the bucket NaN (found as a NaN gradient norm at
+// step 606 of a 4-frame video run, the forward's loss finite).
+TEST(Attention, PaddingRowsCannotOverflowTheBackward) {
+  torch::manual_seed(3);
+  const int64_t S = 7, H = 2, D = 4;
+  const std::vector<int64_t> cu = {0, 4, 7};  // the second segment padded to 4 in the first's bucket
+  auto q = torch::randn({S, H, D}).mul_(0.1);
+  auto k = torch::randn({S, H, D}).mul_(0.1);
+  q[0].select(1, 0).fill_(60);          // position 0's query ...
+  k.narrow(0, 4, 3).select(2, 0).fill_(60);  // ... against the padded segment's keys: 1800
+  q.requires_grad_(true);
+  k.requires_grad_(true);
+  auto v = torch::randn({S, H, D}).requires_grad_(true);
+  auto dout = torch::randn({S, H, D});
+  auto grads = torch::autograd::grad({dhp::nn::varlen_attention(q, k, v, cu)}, {q, k, v}, {dout});
+  auto ref = torch::autograd::grad({dhp::testing::varlen_attention_naive(q, k, v, cu, false)}, {q, k, v}, {dout});
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(torch::isfinite(grads[i]).all().item<bool>()) << "grad " << i;
+    EXPECT_LT((grads[i] - ref[i]).abs().max().item<double>(), 1e-5 * (1 + ref[i].abs().max().item<double>()))
+        << "grad " << i;
+  }
+}
+
 TEST(Attention, BlockwiseMemoryIsLinearInSequence) {
   // One 2048-token segment with block 128: the naive path holds S*S*H floats (48 MiB);
   // the blockwise path must stay well under that.

@@ -15,6 +15,7 @@
 
 #include "dhp/bench/bench.h"
 #include "dhp/core/error.h"
+#include "support/test_machine.h"
 
 namespace {
 
@@ -278,6 +279,44 @@ TEST(Bench, MixedSidesAreOnePointMeasuredInPatchesPerSecond) {
               0)
         << bad;
   }
+  fs::remove_all(dir);
+}
+
+
+// An `auto` point: each batch runs the layout and micro-batch count the planner picks from
+// this machine's calibration (here one written by hand), spelled out in the results; a
+// batch for which the planner finds nothing that fits is refused with its reason.
+TEST(Bench, AutoRunsThePlannersChoiceAndSaysWhich) {
+  const auto dir = fs::temp_directory_path() / ("dhp-bench-auto-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "machine");
+  dhp::testing::write_test_machine((dir / "machine").string(), 1e-5, 2);
+  setenv("DHP_CALIBRATION_DIR", (dir / "machine").c_str(), 1);
+  const auto json = YAML::Load(run_bench(dir / "a", "--strategies auto --nproc 2 --batch-sizes 4"));
+  const auto point = json["points"][0];
+  EXPECT_EQ(point["strategy"].as<std::string>(), "auto");
+  EXPECT_EQ(point["batch_size"].as<int64_t>(), 4) << point;
+  const auto layout = point["layout"].as<std::string>();
+  EXPECT_EQ(layout.rfind("auto: vision ", 0), 0u) << layout;
+  EXPECT_NE(layout.find(" micro-batch"), std::string::npos) << layout;
+  std::stringstream why;
+  why << std::ifstream(dir / "a" / "runs" / "auto_64_b4" / "auto.txt").rdbuf();
+  EXPECT_NE(why.str().find("predicted"), std::string::npos) << why.str();
+  // The job ran what was chosen: the pinned keys are in its command line, so it did not choose again.
+  std::stringstream log;
+  log << std::ifstream(dir / "a" / "runs" / "auto_64_b4" / "log.txt").rdbuf();
+  EXPECT_EQ(log.str().find("parallel.strategy=auto on"), std::string::npos) << log.str();
+  // Nothing fits 1 MiB: refused before any job starts, the planner's reason kept.
+  fs::create_directories(dir / "n");
+  const std::string cmd = std::string(DHP_BINARY) + " bench --strategies auto --vision-tokens 64 --nproc 2 " +
+                          "--batch-sizes 4 --memory-limit 1MiB --steps 2 --warmup 1 --no-plot --out " +
+                          (dir / "n").string() + " > " + (dir / "n" / "stdout.txt").string() + " 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0) << "a point that cannot run fails the sweep's exit status";
+  const auto none = YAML::LoadFile((dir / "n" / "results.json").string());
+  EXPECT_EQ(none["points"][0]["batch_size"].as<int64_t>(), 0);
+  EXPECT_EQ(none["points"][0]["attempts"][0]["outcome"].as<std::string>(), "invalid");
+  EXPECT_NE(none["points"][0]["error"].as<std::string>().find("no plan fits"), std::string::npos);
+  unsetenv("DHP_CALIBRATION_DIR");
   fs::remove_all(dir);
 }
 

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #include "dhp/train/flops.h"
 #include "dhp/train/parallel_model.h"
 #include "files.h"
+#include "support/test_machine.h"
 
 namespace {
 
@@ -509,24 +511,7 @@ TEST(PlanReference, PredictionsDocumentedInCostModel) {
 }
 
 // A machine written by hand: 2 ranks with the given collective latency.
-void write_machine(const std::string& dir, double latency_s) {
-  Cluster c;
-  c.name = "local";
-  c.device = "test machine";
-  c.devices_per_node = 2;
-  c.memory_bytes = 8e9;
-  c.flops_bf16 = 2e11;
-  c.flops_fp32 = 5e10;
-  c.gemm_efficiency = c.attention_efficiency = c.hbm_efficiency = 1;
-  c.attention_flops = 5e10;
-  c.attention_tile = 1;
-  c.attention_block = 256;
-  c.hbm_bandwidth = 5e9;
-  c.launch_s = 1e-6;
-  c.intra = c.inter = {2e9, latency_s};
-  c.source = "test";
-  save_cluster(c, dir + "/local-x2.json");
-}
+void write_machine(const std::string& dir, double latency_s) { dhp::testing::write_test_machine(dir, latency_s); }
 
 dhp::Config auto_config(std::vector<std::string> extra = {}) {
   std::vector<std::string> sets = {"parallel.strategy=auto", "data.batch_size=4", "data.min_side=224",
@@ -535,20 +520,33 @@ dhp::Config auto_config(std::vector<std::string> extra = {}) {
   return dhp::load_config(std::string(DHP_SOURCE_DIR) + "/configs/bench.yaml", sets);
 }
 
+// What the --against tests share: a hand-written 2-rank machine, the bench config, and
+// the shapes task at 256 patches, batch 4.
+struct AgainstSetup {
+  explicit AgainstSetup(const std::string& name) : dir(name) {
+    write_machine(dir.path().string(), 1e-4);
+    setenv("DHP_CALIBRATION_DIR", dir.path().c_str(), 1);
+    c = cluster_preset("localx2");
+    unsetenv("DHP_CALIBRATION_DIR");
+    w.vision_tokens = 256;
+    w.synthetic_data = true;
+    std::tie(w.text_tokens, w.target_tokens) = dhp::train::shapes_text_tokens(cfg);
+    w.batch_size = 4;
+  }
+  dhp::testing::TempDir dir;
+  Cluster c;
+  const dhp::Config cfg = auto_config();
+  Workload w;
+};
+
 // dhp plan --against: the error per point, the points within 20%, and the order of each
 // pair of strategies, pairs measured within the tie margin set apart.
 TEST(PlanValidate, ErrorsTiesAndPairOrder) {
-  dhp::testing::TempDir dir("plan_validate");
-  write_machine(dir.path().string(), 1e-4);
-  setenv("DHP_CALIBRATION_DIR", dir.path().c_str(), 1);
-  const auto c = cluster_preset("localx2");
-  unsetenv("DHP_CALIBRATION_DIR");
-  const auto cfg = auto_config();
-  Workload w;
-  w.vision_tokens = 256;
-  w.synthetic_data = true;
-  std::tie(w.text_tokens, w.target_tokens) = dhp::train::shapes_text_tokens(cfg);
-  w.batch_size = 4;
+  AgainstSetup setup("plan_validate");
+  auto& dir = setup.dir;
+  const auto& c = setup.c;
+  const auto& cfg = setup.cfg;
+  auto& w = setup.w;
   std::map<std::string, double> predicted;
   for (const char* s : {"dhp", "tp", "zero3"}) predicted[s] = estimate(cfg.model.config, c, w, named_plan(s, 2)).step_s;
   // Measured: dhp 1.0 s, zero3 1.02 s (2% apart: a tie), tp 2.0 s.
@@ -592,6 +590,40 @@ TEST(PlanValidate, ErrorsTiesAndPairOrder) {
   EXPECT_NE(r.table.find("2.000 [1.010-2.200]"), std::string::npos) << r.table;
 }
 
+// An `auto` row of a sweep is validated as the layout it recorded choosing (its pinned keys:
+// strategies, ranks, degrees, micro-batches); one that recorded nothing is listed as not validated.
+TEST(PlanValidate, AutoRowsAreEstimatedAsTheirRecordedChoice) {
+  AgainstSetup setup("plan_validate_auto");
+  auto& dir = setup.dir;
+  const auto& c = setup.c;
+  const auto& cfg = setup.cfg;
+  auto& w = setup.w;
+  const auto path = (dir.path() / "results.json").string();
+  std::ofstream(path)
+      << "{\"settings\": {\"nproc\": 2, \"memory_limit\": \"\", \"batch_sizes\": [4]}, \"points\": ["
+      << "{\"strategy\": \"auto\", \"vision_tokens\": 256, \"batch_size\": 4, \"oom\": false, \"step_time_s\": 1.0, "
+      << "\"peak_bytes_per_rank\": [1e8, 1e8], \"chosen_sets\": [\"parallel.strategy=custom\", "
+      << "\"parallel.vision.strategy=none\", \"parallel.vision.ranks=[0]\", \"parallel.vision.sp=0\", "
+      << "\"parallel.vision.tp=0\", \"parallel.vision.dp=0\", \"parallel.vision.zero=1\", "
+      << "\"parallel.text.strategy=none\", \"parallel.text.ranks=[1]\", \"parallel.text.sp=0\", "
+      << "\"parallel.text.tp=0\", \"parallel.text.dp=0\", \"parallel.text.zero=1\", \"training.micro_batches=2\"]}, "
+      << "{\"strategy\": \"auto\", \"vision_tokens\": 1024, \"batch_size\": 0, \"oom\": true, "
+      << "\"peak_bytes_per_rank\": []}]}\n";
+  const auto v = validate(cfg.model.config, c, w, path);
+  ASSERT_EQ(v.rows.size(), 1u);
+  Plan disjoint;
+  disjoint.vision = {dhp::dist::Strategy::kNone, 1, 1};
+  disjoint.text = {dhp::dist::Strategy::kNone, 1, 1};
+  disjoint.disjoint = true;
+  w.micro_batches = 2;
+  EXPECT_DOUBLE_EQ(v.rows[0].predicted_s, estimate(cfg.model.config, c, w, disjoint).step_s);
+  w.micro_batches = 1;
+  EXPECT_NE(v.rows[0].predicted_s, estimate(cfg.model.config, c, w, disjoint).step_s) << "micro-batches ignored";
+  ASSERT_EQ(v.not_validated.size(), 1u);
+  EXPECT_EQ(v.not_validated[0], "auto at 1024 patches");
+  EXPECT_NE(v.table.find("not validated"), std::string::npos) << v.table;
+}
+
 TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {
   dhp::testing::TempDir dir("plan_auto");
   setenv("DHP_CALIBRATION_DIR", dir.path().c_str(), 1);
@@ -614,13 +646,22 @@ TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {
   w.batch_size = 4;
   w.synthetic_data = true;  // the shapes task: samples made inside the step
   std::tie(w.text_tokens, w.target_tokens) = dhp::train::shapes_text_tokens(auto_config());
+  int64_t best_mbs = 0;
   for (const auto& p : candidate_plans(c, "dhp")) {
-    const auto e = estimate(m, c, w, p);
-    if (e.fits) best = std::min(best, e.step_s);
+    for (int64_t mbs : {1, 2, 4}) {  // auto also picks the micro-batch count (those dividing the batch of 4)
+      w.micro_batches = mbs;
+      const auto e = estimate(m, c, w, p);
+      if (e.fits && e.step_s < best) best = e.step_s, best_mbs = mbs;
+    }
   }
+  EXPECT_EQ(dhp::train::auto_micro_batches(auto_config()), (std::vector<int64_t>{1, 2, 4}));
   char predicted[64];
   std::snprintf(predicted, sizeof(predicted), "predicted %.3f s/step", best);
   EXPECT_NE(why.find(predicted), std::string::npos) << why << " vs " << predicted;
+  EXPECT_EQ(fast.training.micro_batches, best_mbs) << why;
+  const auto pinned = dhp::train::pinned_parallel_sets(fast);
+  EXPECT_NE(std::find(pinned.begin(), pinned.end(), "training.micro_batches=" + std::to_string(best_mbs)),
+            pinned.end());
   // Collectives of a second each: the layout with the fewest calls per step wins (replicas
   // of whole modules: one gradient all-reduce or ZeRO-3's per-layer gathers lose to dp).
   write_machine(dir.path().string(), 1.0);

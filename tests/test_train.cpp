@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
 #include <sstream>
 
 #include "dhp/optim/adamw.h"
@@ -36,6 +38,26 @@ TEST(Train, SameSeedGivesBitIdenticalLosses) {
   for (int i = 0; i < 3; ++i) EXPECT_EQ(la[i], lb[i]) << "step " << i;
   dhp::train::Trainer c(small_config({"training.seed=5"}));
   EXPECT_NE(losses(c, 1)[0], la[0]);
+}
+
+// A gradient that is not finite stops the run at that step, naming it, before the
+// optimizer touches any parameter.
+TEST(Train, NonFiniteGradientStopsBeforeAnyUpdate) {
+  dhp::train::Trainer t(small_config());
+  losses(t, 1);
+  auto params = t.model().named_parameters();
+  {
+    torch::NoGradGuard g;
+    params["model.norm.weight"][0] = std::numeric_limits<float>::quiet_NaN();
+  }
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& p : params) before[p.key()] = p.value().detach().clone();
+  const auto error = dhp::testing::error_of([&] { t.train_step(); });
+  EXPECT_NE(error.find("step 2: the gradient norm is NaN"), std::string::npos) << error;
+  for (const auto& p : params) {
+    EXPECT_TRUE(torch::equal(p.value().isnan(), before[p.key()].isnan())) << p.key();
+    EXPECT_TRUE(torch::equal(torch::nan_to_num(p.value()), torch::nan_to_num(before[p.key()]))) << p.key();
+  }
 }
 
 TEST(Train, MicroBatchesEqualOneBigBatch) {

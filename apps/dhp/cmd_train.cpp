@@ -59,6 +59,7 @@ Config choose_auto(const Config& cfg, int64_t world, const std::optional<dist::W
              " ranks yet; measuring it once (dhp plan --calibrate --ranks " + std::to_string(world) + ")");
     bench::CalibrateOptions co;
     co.ranks = world;
+    co.precision = cfg.training.precision;  // the element-wise passes in the training's dtype
     bench::calibrate_local(co);
   }
   std::string why;

@@ -14,9 +14,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "dhp/bench/calibrate.h"
 #include "dhp/bench/report.h"
 #include "dhp/core/error.h"
 #include "dhp/core/machine.h"
+#include "dhp/train/auto_plan.h"
 #include "dhp/train/config.h"
 #include "dhp/train/parallel_model.h"
 
@@ -192,6 +194,7 @@ void search_batch(std::vector<int64_t> batch_sizes, const std::function<Attempt(
     if (a.outcome == Outcome::kOk) {
       r.batch_size = b;
       r.metrics = a.metrics;
+      r.chosen_sets = a.chosen_sets;
       r.oom = false;
       r.error.clear();
       return;
@@ -308,9 +311,23 @@ Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::st
   Attempt a;
   auto sets = r.sets;
   sets.push_back("data.batch_size=" + std::to_string(batch));
+  std::string auto_why;
   try {
-    const auto layouts = train::resolve_layouts(load_config(o.config, sets), o.nproc);
+    auto cfg = load_config(o.config, sets);
+    const bool chosen = parse_combination(cfg.parallel.strategy) == Combination::kAuto;
+    if (chosen) {
+      // The planner's layout and micro-batch count for this point and batch (refused when
+      // none fits), pinned for the job as the launcher pins it.
+      cfg = train::resolve_auto(cfg, o.nproc, &auto_why);
+      a.chosen_sets = train::pinned_parallel_sets(cfg);
+      sets.insert(sets.end(), a.chosen_sets.begin(), a.chosen_sets.end());
+    }
+    const auto layouts = train::resolve_layouts(cfg, o.nproc);
     r.layout = train::describe(layouts);
+    if (chosen) {
+      const int64_t m = cfg.training.micro_batches;
+      r.layout = "auto: " + r.layout + ", " + std::to_string(m) + " micro-batch" + (m == 1 ? "" : "es");
+    }
     r.vision_ranks = layouts.at("vision").ranks;
     r.text_ranks = layouts.at("text").ranks;
   } catch (const Error& e) {
@@ -324,6 +341,7 @@ Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::st
       (r.name + "_" + (r.mixed() ? std::string("mixed") : std::to_string(r.vision_tokens)) + "_b" +
        std::to_string(batch) + suffix);
   fs::create_directories(dir);
+  if (!auto_why.empty()) std::ofstream(dir / "auto.txt") << auto_why << "\n";
   std::vector<std::string> argv = {"dhp", "train", "--nproc", std::to_string(o.nproc), "--out", dir.string()};
   if (!o.config.empty()) argv.insert(argv.end(), {"--config", o.config});
   for (const auto& s : sets) argv.insert(argv.end(), {"--set", s});
@@ -417,6 +435,29 @@ void repeat_rounds(const Options& o, std::vector<PointResult>& results, Progress
     if (results[i].ok()) keep_median_round(results[i], rounds[i]);
 }
 
+// An `auto` point needs the planner's calibration of this machine as nproc ranks: measured
+// once here when missing, as `dhp train` does.
+void calibrate_for_auto(const Options& o) {
+  if (o.nproc < 2 || fs::exists(train::auto_calibration_path(o.nproc))) return;
+  for (const auto& p : o.points) {
+    auto sets = o.sets;
+    sets.insert(sets.end(), p.sets.begin(), p.sets.end());
+    const auto cfg = load_config(o.config, sets);
+    if (parse_combination(cfg.parallel.strategy) != Combination::kAuto) continue;
+    if (!o.quiet) {
+      std::fprintf(stderr, "dhp bench: point %s is auto and this machine has no calibration as %lld ranks; measuring it "
+                   "once (dhp plan --calibrate --ranks %lld)\n", p.name.c_str(), static_cast<long long>(o.nproc),
+                   static_cast<long long>(o.nproc));
+    }
+    CalibrateOptions co;
+    co.ranks = o.nproc;
+    co.precision = cfg.training.precision;
+    co.quiet = o.quiet;
+    calibrate_local(co);
+    return;
+  }
+}
+
 }  // namespace
 
 std::vector<PointResult> run(const Options& o) {
@@ -436,6 +477,7 @@ std::vector<PointResult> run(const Options& o) {
   }
   const auto batches = o.batch_sizes.empty() ? std::vector<int64_t>{base.data.batch_size} : o.batch_sizes;
   fs::create_directories(o.out);
+  calibrate_for_auto(o);
   const bool bf16 = base.training.precision == "bf16";
   if (!o.quiet) std::fprintf(stderr, "dhp bench: measuring the %s GEMM peak...\n", bf16 ? "bf16" : "fp32");
   const double peak = gemm_peak_gflops(bf16 ? c10::ScalarType::BFloat16 : c10::ScalarType::Float);

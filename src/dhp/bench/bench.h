@@ -78,6 +78,7 @@ struct Attempt {
   int64_t batch_size = 0;
   Outcome outcome = Outcome::kFailed;
   std::string message;  // error or reason (empty when ok)
+  std::vector<std::string> chosen_sets;  // an auto point: what the planner chose for this batch
   RunMetrics metrics;
 };
 
@@ -87,6 +88,9 @@ struct PointResult {
   int64_t frames = 0;                         // frames per clip; 0: still images
   int64_t max_side = 0;                       // > 0: mixed sides image_side..max_side (vision_tokens 0)
   std::vector<std::string> sets;
+  // An auto point: the keys the planner chose for the kept batch (its parallel.* keys and
+  // training.micro_batches, as pinned for the job); empty for other points.
+  std::vector<std::string> chosen_sets;
   std::vector<int64_t> vision_ranks, text_ranks;
   int64_t batch_size = 0;  // the largest that ran; 0 when none did
   bool oom = false;        // nothing ran and at least one batch ran out of memory

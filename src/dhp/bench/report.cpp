@@ -208,7 +208,13 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
     }
     f << ", \"sets\": [";
     for (size_t k = 0; k < r.sets.size(); ++k) f << (k ? ", " : "") << quoted(r.sets[k]);
-    f << "], \"attempts\": [";
+    f << "]";
+    if (!r.chosen_sets.empty()) {
+      f << ", \"chosen_sets\": [";
+      for (size_t k = 0; k < r.chosen_sets.size(); ++k) f << (k ? ", " : "") << quoted(r.chosen_sets[k]);
+      f << "]";
+    }
+    f << ", \"attempts\": [";
     for (size_t k = 0; k < r.attempts.size(); ++k) {
       const auto& a = r.attempts[k];
       f << (k ? ", " : "") << "{\"batch_size\": " << a.batch_size << ", \"outcome\": " << quoted(outcome_name(a.outcome));
@@ -240,7 +246,12 @@ bool plot_throughput(const std::vector<PointResult>& results, const Options& o, 
     for (const auto& n : names) d << " " << n;
     d << "\n";
     for (auto t : lengths) {
-      d << t;
+      const auto* any = find(results, names[0], t);
+      if (any && any->mixed()) {
+        d << "\"mixed " << any->image_side << "-" << any->max_side << " px\"";
+      } else {
+        d << t;
+      }
       for (const auto& n : names) {
         const auto* r = find(results, n, t);
         d << " " << (r ? r->throughput() : 0.0);

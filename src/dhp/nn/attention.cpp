@@ -207,10 +207,14 @@ Grads backward_impl(const Tensor& q, const Tensor& k, const Tensor& v, const Ten
     const int64_t B = static_cast<int64_t>(b.starts.size()), Lp = b.length;
     auto qb = gather_bucket(q, bt, B, Lp), kb = gather_bucket(k, bt, B, Lp);
     auto vb = gather_bucket(v, bt, B, Lp), dob = gather_bucket(dout, bt, B, Lp);
-    auto lseb = lse.index_select(1, bt.gather).view({H, B, Lp, 1});
+    // Padding query rows stand in with position 0's query and lse, which are not theirs: the
+    // score against this bucket's keys minus that lse may exceed fp32's exp range, and inf x 0
+    // is NaN. An lse of +inf there makes their probabilities exactly 0, so they add nothing
+    // to dk, dv.
+    auto lseb = lse.index_select(1, bt.gather).view({H, B, Lp, 1}).masked_fill(bt.valid_q.eq(0).unsqueeze(0),
+                                                                                std::numeric_limits<float>::infinity());
     auto deltab = delta.index_select(1, bt.gather).view({H, B, Lp, 1});
-    // Padding query rows see real keys; zero them so they add nothing to dk, dv.
-    auto p = bucket_scores(qb, kb, bt, scale).sub_(lseb).exp_().mul_(bt.valid_q);  // (H, B, Lp, Lp)
+    auto p = bucket_scores(qb, kb, bt, scale).sub_(lseb).exp_();  // (H, B, Lp, Lp)
     auto dv = torch::matmul(p.transpose(-1, -2), dob);
     auto ds = torch::matmul(dob, vb.transpose(-1, -2)).sub_(deltab).mul_(p).mul_(scale);
     scatter_bucket(g.dq, torch::matmul(ds, kb), bt);

@@ -9,6 +9,7 @@
 
 #include "dhp/core/error.h"
 #include "dhp/core/memory.h"
+#include "dhp/dist/layout.h"
 #include "dhp/io/json.h"
 
 namespace dhp::plan {
@@ -63,6 +64,56 @@ io::Json estimate_json(const Estimate& e) {
     j.set("text", module_json(e.text));
   }
   return j;
+}
+
+// The plan of an `auto` row of dhp bench's results: its chosen parallel.* keys (as the
+// launcher pins them: each module's strategy, ranks, sp / tp / dp) and training.micro_batches.
+Plan plan_from_sets(const std::vector<std::string>& sets, const std::string& what, int64_t& micro_batches) {
+  std::map<std::string, std::string> kv;
+  for (const auto& s : sets) {
+    const auto eq = s.find('=');
+    DHP_CHECK(eq != std::string::npos, what, ": '", s, "' is not KEY=VALUE");
+    kv[s.substr(0, eq)] = s.substr(eq + 1);
+  }
+  auto get = [&](const std::string& k) {
+    auto it = kv.find(k);
+    DHP_CHECK(it != kv.end(), what, ": the chosen keys have no ", k);
+    return it->second;
+  };
+  auto ranks_of = [&](const std::string& k) {
+    std::vector<int64_t> out;
+    std::string cur;
+    for (char c : get(k) + ",") {
+      if (c >= '0' && c <= '9') {
+        cur += c;
+      } else if (c == ',' && !cur.empty()) {
+        out.push_back(std::stoll(cur));
+        cur.clear();
+      }
+    }
+    return out;
+  };
+  Plan p;
+  p.name = "chosen";
+  std::vector<std::vector<int64_t>> ranks;
+  for (const auto& [module, ms] : {std::pair<std::string, ModuleStrategy*>{"vision", &p.vision}, {"text", &p.text}}) {
+    const std::string k = "parallel." + module + ".";
+    ms->kind = dist::parse_strategy(get(k + "strategy"), what + " " + k + "strategy", dist::all_strategies());
+    ranks.push_back(ranks_of(k + "ranks"));
+    const auto n = static_cast<int64_t>(ranks.back().size());
+    DHP_CHECK(n > 0, what, ": ", k, "ranks is empty");
+    ms->degree = ms->kind == dist::Strategy::kSequenceParallel ? std::stoll(get(k + "sp"))
+                 : ms->kind == dist::Strategy::kTensorParallel ? std::stoll(get(k + "tp"))
+                                                                : 1;
+    DHP_CHECK(ms->degree >= 1 && n % ms->degree == 0, what, ": ", module, " degree ", ms->degree, " does not divide its ",
+              n, " ranks");
+    ms->dp = n / ms->degree;
+  }
+  p.disjoint = std::none_of(ranks[0].begin(), ranks[0].end(), [&](int64_t r) {
+    return std::find(ranks[1].begin(), ranks[1].end(), r) != ranks[1].end();
+  });
+  micro_batches = std::stoll(get("training.micro_batches"));
+  return p;
 }
 
 }  // namespace
@@ -268,7 +319,19 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     Workload w = base;
     w.vision_tokens = r.vision_tokens;
     w.micro_batches = 1;
-    const Plan plan = named_plan(r.strategy, nproc);
+    // A named strategy, or an `auto` row's recorded choice; a row with neither (the planner
+    // found nothing to run) is listed, not validated.
+    Plan plan;
+    if (const auto* chosen = p.find("chosen_sets")) {
+      std::vector<std::string> sets;
+      for (const auto& e : chosen->elements(what + " chosen_sets")) sets.push_back(e.str(what + " chosen_sets"));
+      plan = plan_from_sets(sets, what + " " + r.strategy, w.micro_batches);
+    } else if (r.strategy == "dhp" || r.strategy == "tp" || r.strategy == "zero3") {
+      plan = named_plan(r.strategy, nproc);
+    } else {
+      v.not_validated.push_back(r.strategy + " at " + std::to_string(r.vision_tokens) + " patches");
+      continue;
+    }
     if (r.measured_oom) {
       // Nothing ran: does the model agree that no batch tried runs? Shown: the smallest batch
       // the plan can run at all (a replica needs a sample) and its predicted memory.
@@ -386,6 +449,11 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
      << " points, " << v.within_20 << " within 20%; rankings matched at " << v.rankings_matched << " of " << v.lengths
      << " lengths; pairs of strategies measured more than " << fmt("%.0f%%", Validation::kTiePercent)
      << " apart (and, with rounds, their ranges apart) ordered as measured: " << v.decisive_matched << " of " << v.decisive_pairs << "\n";
+  if (!v.not_validated.empty()) {
+    os << "not validated (neither a named strategy nor a recorded choice):";
+    for (const auto& x : v.not_validated) os << " " << x << ";";
+    os << "\n";
+  }
   v.table = os.str();
   return v;
 }

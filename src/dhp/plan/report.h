@@ -65,6 +65,7 @@ struct Validation {
   // whose rounds' ranges do not overlap; and those the model orders alike.
   int64_t decisive_pairs = 0, decisive_matched = 0;
   static constexpr double kTiePercent = 5;
+  std::vector<std::string> not_validated;  // rows with no plan to estimate ("auto at 256 patches")
   std::string table;
 };
 Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& w, const std::string& results_json,

@@ -38,6 +38,17 @@ void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w) {
   w.synthetic_data = cfg.data.dataset == "shapes";
 }
 
+std::vector<int64_t> auto_micro_batches(const Config& cfg) {
+  if (cfg.data.pack_tokens > 0) return {cfg.training.micro_batches};
+  std::vector<int64_t> out;
+  for (int64_t m = 1; m <= cfg.data.batch_size; m *= 2)
+    if (cfg.data.batch_size % m == 0) out.push_back(m);
+  if (std::find(out.begin(), out.end(), cfg.training.micro_batches) == out.end()) {
+    out.push_back(cfg.training.micro_batches);
+  }
+  return out;
+}
+
 namespace {
 
 // This machine as `world` ranks (its calibration), with training.memory_limit as the device memory.
@@ -87,19 +98,25 @@ ModuleParallelOptions to_options(const plan::ModuleStrategy& s, int64_t first) {
   return o;
 }
 
+// A plan and its micro-batch count, as the log says them.
+std::string auto_choice(const plan::Estimate& e) {
+  const int64_t m = e.workload.micro_batches;
+  return e.plan.describe() + ", " + std::to_string(m) + " micro-batch" + (m == 1 ? "" : "es");
+}
+
 // The lines of resolve_auto's `why`: the choice, the runners-up, the rejections, the workload.
 std::string explain(const plan::Estimate& e, const std::vector<plan::Estimate>& ok, int64_t world, int64_t rejected,
                     const std::string& reasons, const std::string& refused, const plan::Workload& w, int64_t side) {
-  char line[256];
+  char line[384];
   std::snprintf(line, sizeof(line),
                 "parallel.strategy=auto on %lld ranks (%s): %s, predicted %.3f s/step, %.0f MiB per rank (of %.0f)",
-                static_cast<long long>(world), auto_calibration_path(world).c_str(), e.plan.describe().c_str(),
+                static_cast<long long>(world), auto_calibration_path(world).c_str(), auto_choice(e).c_str(),
                 e.step_s, e.memory_bytes / 1048576.0, e.capacity_bytes / 1048576.0);
   std::string why = line;
   int shown = 0;
   for (const auto& r : ok) {
     if (&r == &e || shown == 3) continue;
-    std::snprintf(line, sizeof(line), "\n  then %s: %.3f s/step (%+.0f%%)", r.plan.describe().c_str(), r.step_s,
+    std::snprintf(line, sizeof(line), "\n  then %s: %.3f s/step (%+.0f%%)", auto_choice(r).c_str(), r.step_s,
                   100 * (r.step_s / e.step_s - 1));
     why += line;
     ++shown;
@@ -133,13 +150,27 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
   std::vector<plan::Estimate> ok;
   std::map<std::string, int64_t> reasons;
   for (const auto& cand : plan::candidate_plans(c, "dhp")) {
-    auto e = plan::estimate(cfg.model.config, c, w, cand);
-    if (!e.fits) {
-      const auto key = e.reason.substr(0, e.reason.find(':'));
-      ++reasons[key.size() < 60 ? key : e.reason.substr(0, 60)];
+    // Each plan at its fastest micro-batch count that fits (packing: the configured count,
+    // which sets the global batch).
+    plan::Estimate best, last_bad;
+    bool have = false;
+    for (const auto mbs : auto_micro_batches(cfg)) {
+      auto wm = w;
+      wm.micro_batches = mbs;
+      auto e = plan::estimate(cfg.model.config, c, wm, cand);
+      if (e.fits && (!have || e.step_s < best.step_s)) {
+        best = e;
+        have = true;
+      } else if (!e.fits) {
+        last_bad = e;
+      }
+    }
+    if (!have) {
+      const auto key = last_bad.reason.substr(0, last_bad.reason.find(':'));
+      ++reasons[key.size() < 60 ? key : last_bad.reason.substr(0, 60)];
       continue;
     }
-    ok.push_back(e);
+    ok.push_back(best);
   }
   std::stable_sort(ok.begin(), ok.end(), [](const plan::Estimate& a, const plan::Estimate& b) { return a.step_s < b.step_s; });
   int64_t rejected = 0;  // by the cost model, summarised by reason
@@ -154,6 +185,7 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why) {
     trial.parallel.strategy = "custom";
     trial.parallel.vision = to_options(e.plan.vision, 0);
     trial.parallel.text = to_options(e.plan.text, e.plan.disjoint ? e.plan.vision.ranks() : 0);
+    trial.training.micro_batches = e.workload.micro_batches;
     try {
       resolve_layouts(trial, world);  // what the planner allows, the runtime must too
     } catch (const Error& err) {
@@ -180,6 +212,7 @@ std::vector<std::string> pinned_parallel_sets(const Config& cfg) {
     out.push_back(k + "dp=" + std::to_string(m->dp));
     out.push_back(k + "zero=" + std::to_string(m->zero));
   }
+  out.push_back("training.micro_batches=" + std::to_string(cfg.training.micro_batches));
   return out;
 }
 

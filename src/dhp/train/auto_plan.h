@@ -12,16 +12,23 @@
 namespace dhp::train {
 
 // The config with parallel.strategy=auto replaced by the fastest predicted layout that
-// fits on `world` ranks of this machine (unchanged for any other strategy). Deterministic
+// fits on `world` ranks of this machine, and training.micro_batches by that layout's
+// fastest count that fits (auto_micro_batches; unchanged for any other strategy). Deterministic
 // for a given calibration file, so every rank of a job makes the same choice. `why` gets a
 // few lines: the choice, its predicted step time and memory, the runners-up, and how many
 // plans were rejected and for what. Throws when the calibration file is missing (naming
 // the command that makes it) or no plan fits.
 Config resolve_auto(const Config& cfg, int64_t world, std::string* why = nullptr);
 
+// The micro-batch counts auto considers: the powers of two dividing data.batch_size and
+// the configured training.micro_batches; under packing (data.pack_tokens, where the count
+// sets the global batch) the configured one only.
+std::vector<int64_t> auto_micro_batches(const Config& cfg);
+
 // The --set KEY=VALUE overrides that give a config the parallel section of `cfg` (every
-// parallel.strategy and parallel.<module>.* key but timeout_s and pipeline): how the
-// launcher hands the layout it chose for auto to its workers.
+// parallel.strategy and parallel.<module>.* key but timeout_s and pipeline) and its
+// training.micro_batches: how the launcher hands the layout it chose for auto to its
+// workers.
 std::vector<std::string> pinned_parallel_sets(const Config& cfg);
 
 // The calibration file resolve_auto reads for `world` ranks.

@@ -204,7 +204,8 @@ struct ParallelOptions {
     v.field("strategy", strategy,
             "none (one process), dhp (vision sp + ZeRO-1, text tp), tp (both tp), zero3 (both zero3), "
             "dp (both data-parallel), custom (parallel.vision / parallel.text say) or auto (the planner picks the "
-            "fastest layout that fits this machine, from dhp plan --calibrate; logged with the reason)");
+            "fastest layout that fits this machine, and its training.micro_batches unless packing, from dhp plan "
+            "--calibrate; logged with the reason)");
     v.field("backend", backend,
             "what the module groups and the transfers communicate on: auto (NCCL on CUDA, Gloo on the CPU), nccl "
             "or gloo (on CUDA: through host copies, so that ranks may share a GPU; for tests). Host bookkeeping "

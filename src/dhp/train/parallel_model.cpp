@@ -441,6 +441,12 @@ double ParallelModel::finish_step(double lr, double max_norm) {
   for (auto& s : stages_)
     if (s.strategy) sq += s.strategy->reduce_gradients().to(device_);
   const double norm = std::sqrt(sum_over_job(sq.item<double>()));
+  // The same on every rank (summed over the job): all stop together, before any update, so
+  // the parameters and the last checkpoint stay as they were.
+  if (!std::isfinite(norm)) {
+    throw NonFiniteGradient(detail::str_cat("the gradient norm is ", std::isnan(norm) ? "NaN" : "infinite", ": a gradient is not finite; no parameter ",
+                                            "was updated (the last checkpoint holds the state before it)"));
+  }
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (auto& s : stages_)

@@ -102,6 +102,12 @@ void load_peft_adapters(const Config& cfg, qwen::Qwen2_5_VLImpl& model);
 // precision, checkpointing, the frozen parameters marked (model.*.freeze, LoRA's base).
 qwen::Qwen2_5_VL build_model(const Config& cfg, bool load_from = true);
 
+// finish_step's refusal of a gradient norm that is not finite (nothing was updated).
+class NonFiniteGradient : public Error {
+ public:
+  using Error::Error;
+};
+
 class ParallelModel {
  public:
   ParallelModel(const Config& cfg, const Layouts& layouts, const Runtime& rt);
@@ -131,7 +137,8 @@ class ParallelModel {
   // What module `name`'s strategy holds on this rank ({0, 0} where it does not run).
   parallel::HeldElements held(const std::string& name) const;
   // Gradient sums, global-norm clipping (max_norm 0 = off), optimizer steps. Returns the
-  // global gradient norm before clipping (equal on every rank).
+  // global gradient norm before clipping (equal on every rank). Throws NonFiniteGradient on
+  // every rank, before any update, when that norm is not finite.
   double finish_step(double lr, double max_norm);
   void zero_grad();
 

@@ -84,7 +84,11 @@ StepMetrics Trainer::train_step() {
   m.wait_s = fb.wait_s;
   m.lr = optim::lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
   Timer update_timer;
-  m.grad_norm = parallel_->finish_step(m.lr, cfg_.training.grad_clip);
+  try {
+    m.grad_norm = parallel_->finish_step(m.lr, cfg_.training.grad_clip);
+  } catch (const NonFiniteGradient& e) {
+    DHP_FAIL("step ", step_ + 1, ": ", e.what());
+  }
   m.update_s = update_timer.seconds();
   loss_sum = parallel_->sum_over_job(loss_sum);
   ++step_;
