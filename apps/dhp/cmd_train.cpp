@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <functional>
@@ -54,14 +53,7 @@ train::FaultInjection parse_faults(const std::vector<std::string>& specs) {
 // machine first when it has no calibration for `world` ranks.
 Config choose_auto(const Config& cfg, int64_t world, const std::optional<dist::WorkerEnv>& env, bool calibrate,
                    std::vector<std::string>& worker_argv) {
-  if (calibrate && world > 1 && !std::filesystem::exists(train::auto_calibration_path(world))) {
-    log_info("parallel.strategy=auto: no calibration of this machine as " + std::to_string(world) +
-             " ranks yet; measuring it once (dhp plan --calibrate --ranks " + std::to_string(world) + ")");
-    bench::CalibrateOptions co;
-    co.ranks = world;
-    co.precision = cfg.training.precision;  // the element-wise passes in the training's dtype
-    bench::calibrate_local(co);
-  }
+  if (calibrate) bench::calibrate_if_missing(world, cfg.training.precision);
   std::string why;
   auto out = train::resolve_auto(cfg, world, &why);
   if (!env || env->rank == 0) log_info(why);

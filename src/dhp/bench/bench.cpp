@@ -438,22 +438,12 @@ void repeat_rounds(const Options& o, std::vector<PointResult>& results, Progress
 // An `auto` point needs the planner's calibration of this machine as nproc ranks: measured
 // once here when missing, as `dhp train` does.
 void calibrate_for_auto(const Options& o) {
-  if (o.nproc < 2 || fs::exists(train::auto_calibration_path(o.nproc))) return;
   for (const auto& p : o.points) {
     auto sets = o.sets;
     sets.insert(sets.end(), p.sets.begin(), p.sets.end());
     const auto cfg = load_config(o.config, sets);
     if (parse_combination(cfg.parallel.strategy) != Combination::kAuto) continue;
-    if (!o.quiet) {
-      std::fprintf(stderr, "dhp bench: point %s is auto and this machine has no calibration as %lld ranks; measuring it "
-                   "once (dhp plan --calibrate --ranks %lld)\n", p.name.c_str(), static_cast<long long>(o.nproc),
-                   static_cast<long long>(o.nproc));
-    }
-    CalibrateOptions co;
-    co.ranks = o.nproc;
-    co.precision = cfg.training.precision;
-    co.quiet = o.quiet;
-    calibrate_local(co);
+    calibrate_if_missing(o.nproc, cfg.training.precision);
     return;
   }
 }

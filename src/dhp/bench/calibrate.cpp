@@ -462,4 +462,14 @@ Cluster calibrate_local(const CalibrateOptions& o) {
   return c;
 }
 
+void calibrate_if_missing(int64_t ranks, const std::string& precision) {
+  if (ranks < 2 || std::filesystem::exists(plan::default_calibration_path(ranks))) return;
+  log_info("parallel.strategy=auto: no calibration of this machine as " + std::to_string(ranks) +
+           " ranks yet; measuring it once (dhp plan --calibrate --ranks " + std::to_string(ranks) + ")");
+  CalibrateOptions co;
+  co.ranks = ranks;
+  co.precision = precision;
+  calibrate_local(co);
+}
+
 }  // namespace dhp::bench

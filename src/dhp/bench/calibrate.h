@@ -21,4 +21,9 @@ struct CalibrateOptions {
 // Runs the microbenchmarks (about a minute), writes the file, returns the cluster.
 plan::Cluster calibrate_local(const CalibrateOptions& o);
 
+// What parallel.strategy=auto needs (dhp train's launcher, dhp bench's auto points): this
+// machine's calibration as `ranks` ranks, measured once (logged: "measuring it once") when
+// the file is missing; the element-wise passes in `precision`. Nothing to do for one rank.
+void calibrate_if_missing(int64_t ranks, const std::string& precision);
+
 }  // namespace dhp::bench
