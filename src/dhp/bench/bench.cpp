@@ -324,10 +324,7 @@ Attempt try_batch(const Options& o, PointResult& r, int64_t batch, const std::st
     }
     const auto layouts = train::resolve_layouts(cfg, o.nproc);
     r.layout = train::describe(layouts);
-    if (chosen) {
-      const int64_t m = cfg.training.micro_batches;
-      r.layout = "auto: " + r.layout + ", " + std::to_string(m) + " micro-batch" + (m == 1 ? "" : "es");
-    }
+    if (chosen) r.layout = "auto: " + r.layout + ", " + train::micro_batches_phrase(cfg.training.micro_batches);
     r.vision_ranks = layouts.at("vision").ranks;
     r.text_ranks = layouts.at("text").ranks;
   } catch (const Error& e) {

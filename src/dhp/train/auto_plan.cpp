@@ -38,6 +38,10 @@ void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w) {
   w.synthetic_data = cfg.data.dataset == "shapes";
 }
 
+std::string micro_batches_phrase(int64_t m) {
+  return std::to_string(m) + " micro-batch" + (m == 1 ? "" : "es");
+}
+
 std::vector<int64_t> auto_micro_batches(const Config& cfg) {
   if (cfg.data.pack_tokens > 0) return {cfg.training.micro_batches};
   std::vector<int64_t> out;
@@ -100,8 +104,7 @@ ModuleParallelOptions to_options(const plan::ModuleStrategy& s, int64_t first) {
 
 // A plan and its micro-batch count, as the log says them.
 std::string auto_choice(const plan::Estimate& e) {
-  const int64_t m = e.workload.micro_batches;
-  return e.plan.describe() + ", " + std::to_string(m) + " micro-batch" + (m == 1 ? "" : "es");
+  return e.plan.describe() + ", " + micro_batches_phrase(e.workload.micro_batches);
 }
 
 // The lines of resolve_auto's `why`: the choice, the runners-up, the rejections, the workload.

@@ -25,6 +25,9 @@ Config resolve_auto(const Config& cfg, int64_t world, std::string* why = nullptr
 // sets the global batch) the configured one only.
 std::vector<int64_t> auto_micro_batches(const Config& cfg);
 
+// "1 micro-batch", "4 micro-batches": how auto's choice is spelled in its log and in dhp bench.
+std::string micro_batches_phrase(int64_t micro_batches);
+
 // The --set KEY=VALUE overrides that give a config the parallel section of `cfg` (every
 // parallel.strategy and parallel.<module>.* key but timeout_s and pipeline) and its
 // training.micro_batches: how the launcher hands the layout it chose for auto to its
