@@ -104,9 +104,18 @@ TEST(Bench, MetricsAreAveragedAfterTheWarmUp) {
         << 5 - s << "], \"comm_s_per_rank\": [0.5, 1.5], \"busy_s_per_rank\": [1, 2], \"idle_s_per_rank\": [0, "
         << 0.1 * s << "]}\n";
     }
+    // The profiled step (slower): kept apart from the averages.
+    f << "{\"step\": 5, \"step_time_s\": 100, \"patches_per_s\": 1, \"tokens_per_s\": 1, \"model_flops\": 1e9, "
+         "\"peak_bytes_per_rank\": [1, 1], \"comm_s_per_rank\": [0, 0], \"busy_s_per_rank\": [1, 1], "
+         "\"idle_s_per_rank\": [0, 0], \"breakdown_per_rank\": {\"gemm_s\": [6, 2], \"attention_s\": [1, 1], "
+         "\"elementwise_s\": [1, 1], \"comm_s\": [1, 4], \"update_s\": [1, 1], \"data_s\": [0, 0], "
+         "\"other_s\": [0, 1]}}\n";
   }
   const auto m = dhp::bench::read_metrics(path.string(), 2);
   fs::remove(path);
+  ASSERT_EQ(m.breakdown_per_rank.size(), 7u);
+  EXPECT_DOUBLE_EQ(m.breakdown_fraction(0), (6.0 / 10 + 2.0 / 10) / 2);  // GEMM: 60% and 20%
+  EXPECT_DOUBLE_EQ(m.breakdown_fraction(3), (1.0 / 10 + 4.0 / 10) / 2);
   EXPECT_EQ(m.steps_measured, 2);
   EXPECT_DOUBLE_EQ(m.step_time_s, 3.5);  // steps 3 and 4
   EXPECT_DOUBLE_EQ(m.patches_per_s, 35);
@@ -260,6 +269,9 @@ TEST(Bench, MixedSidesAreOnePointMeasuredInPatchesPerSecond) {
               point["patches_per_step"].as<double>() / point["step_time_s"].as<double>(),
               1e-6 * point["throughput"].as<double>());
   EXPECT_TRUE(point["stall_fraction_vision"].IsDefined());
+  // The extra, profiled step: its breakdown, out of the averages.
+  EXPECT_EQ(point["steps_measured"].as<int64_t>(), json["settings"]["steps"].as<int64_t>() - json["settings"]["warmup"].as<int64_t>());
+  EXPECT_GT(point["breakdown_fraction"]["gemm_s"].as<double>(), 0);
   // The job's images do vary in size within the range.
   std::ifstream m(dir / "m" / "runs" / "none_mixed_b4" / "metrics.jsonl");
   std::string line;
@@ -273,6 +285,7 @@ TEST(Bench, MixedSidesAreOnePointMeasuredInPatchesPerSecond) {
   std::stringstream table;
   table << std::ifstream(dir / "m" / "table.md").rdbuf();
   EXPECT_NE(table.str().find("| mixed (measured) | 56-168 |"), std::string::npos) << table.str();
+  EXPECT_NE(table.str().find("| point | vision patches | GEMM % | attention % |"), std::string::npos) << table.str();
   for (const char* bad : {"100-50", "60-168", "168"}) {
     EXPECT_NE(std::system((std::string(DHP_BINARY) + " bench --mixed-sides " + bad + " --out " + (dir / "bad").string() +
                            " > /dev/null 2>&1").c_str()),

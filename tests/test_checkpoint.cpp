@@ -179,6 +179,8 @@ const std::vector<Strategy> kStrategies = {
     {"dhp_2", 2, {"parallel.strategy=dhp"}},
     {"dhp_bf16_2", 2, {"parallel.strategy=dhp", "training.precision=bf16"}},
     {"tp_zero1_2", 2, {"parallel.strategy=tp", "parallel.text.zero=1", "parallel.vision.zero=1"}},
+    // ZeRO-1's state laid out in 16 KiB buckets (rank r owns chunk r of each).
+    {"dhp_buckets_2", 2, {"parallel.strategy=dhp", "parallel.bucket_mb=0.015625"}},
     {"sp2_tp2_disjoint_4", 4, {"parallel.strategy=dhp", "parallel.vision.ranks=[0,1]", "parallel.text.ranks=[2,3]",
                                "training.micro_batches=4"}},
     // Fine-tuning: checkpoints hold what trains; the frozen rest comes back from the seed.
@@ -256,6 +258,9 @@ const std::vector<Reshard> kReshards = {
     {"dhp4_to_1", {"dhp_4", 4, {"parallel.strategy=dhp"}}, {"none_1", 1, {}}},
     {"tp2_to_tp4", {"tp_2", 2, {"parallel.strategy=tp"}}, {"tp_4", 4, {"parallel.strategy=tp"}}},
     {"zero3_2_to_dhp_2", {"zero3_2", 2, {"parallel.strategy=zero3"}}, {"dhp_2", 2, {"parallel.strategy=dhp"}}},
+    // ZeRO-1 in 16 KiB buckets to one bucket: the same elements, laid out otherwise.
+    {"dhp_buckets_to_dhp_2", {"dhp_buckets_2", 2, {"parallel.strategy=dhp", "parallel.bucket_mb=0.015625"}},
+     {"dhp_2", 2, {"parallel.strategy=dhp"}}},
     {"1_to_dhp_sp2x2_tp2x2", {"none_1", 1, {}},
      {"sp2x2", 4, {"parallel.strategy=dhp", "parallel.vision.sp=2", "parallel.text.tp=2"}}},
 };

@@ -309,6 +309,37 @@ TEST(PlanEstimate, CalibratedTermsOfTheLocalMachine) {
   pz.conventions = "deepspeed";
   const auto ds = estimate(m, c, w, pz);
   EXPECT_EQ(ds.vision.comm_calls, 4 * m.vision.depth);
+  // Overlap (dhp's parallel.overlap, Cluster::overlap_hidden measured): dp's gradient
+  // all-reduce beside the backward, ZeRO-3's collectives beside the compute; hidden: the
+  // fraction of the shorter of communication and compute, no more.
+  auto co = c;
+  co.overlap_hidden = 0.5;
+  auto plan_of = [](const std::string& named) {
+    if (named != "dp") return named_plan(named, 2);
+    Plan p;
+    p.name = "dp";
+    p.vision = {dhp::dist::Strategy::kDataParallel, 1, 2};
+    p.text = {dhp::dist::Strategy::kDataParallel, 1, 2};
+    return p;
+  };
+  for (const char* named : {"dp", "zero3"}) {
+    const auto plain = estimate(m, c, w, plan_of(named));
+    const auto hidden = estimate(m, co, w, plan_of(named));
+    ASSERT_GT(hidden.step_s, 0) << named << ": " << hidden.reason;
+    for (const auto* mc : {&hidden.text, &hidden.vision}) {
+      const double compute = mc->gemm_s + mc->attention_s + mc->elementwise_s;
+      EXPECT_GT(mc->overlap_s, 0) << named;
+      EXPECT_LE(mc->overlap_s, mc->comm_s + 1e-15) << named;
+      const double beside = std::string(named) == "zero3" ? compute : 0.5 * compute;
+      EXPECT_NEAR(mc->hidden_s, 0.5 * std::min(mc->overlap_s, beside), 1e-15) << named;
+    }
+    EXPECT_EQ(plain.text.hidden_s, 0) << named;
+    EXPECT_LT(hidden.step_s, plain.step_s) << named;
+    // Conventions that do not overlap (the reference's measured system) hide nothing.
+    auto ref = plan_of(named);
+    ref.conventions = "deepspeed";
+    EXPECT_EQ(estimate(m, co, w, ref).text.hidden_s, 0) << named;
+  }
 }
 
 Workload reference_workload(int64_t vision_tokens, int64_t batch) {
@@ -474,6 +505,9 @@ TEST(PlanCalibration, MeasuresThisMachineAndReadsBack) {
   }
   EXPECT_GT(c.optimizer_s_per_param, 0);
   EXPECT_EQ(back.optimizer_s_per_param, c.optimizer_s_per_param);
+  EXPECT_GE(c.overlap_hidden, 0);  // measured: an all-reduce beside GEMMs
+  EXPECT_LE(c.overlap_hidden, 1);
+  EXPECT_EQ(back.overlap_hidden, c.overlap_hidden);
   EXPECT_GT(c.synthetic_s_per_patch, 0);
   EXPECT_EQ(back.synthetic_s_per_patch, c.synthetic_s_per_patch);
   EXPECT_EQ(back.attention_block, 256);

@@ -1,6 +1,7 @@
 // Single-process training: determinism, gradient accumulation parity, bf16 mixed
 // precision, the optimizer and schedule, and that the demo task learns.
 #include <gtest/gtest.h>
+#include <yaml-cpp/yaml.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -10,9 +11,11 @@
 #include <map>
 #include <sstream>
 
+#include "dhp/core/op_profile.h"
 #include "dhp/optim/adamw.h"
 #include "support/grad_norm.h"
 #include "dhp/train/parallel_model.h"
+#include "dhp/train/metrics.h"
 #include "dhp/train/trainer.h"
 #include "errors.h"
 #include "files.h"
@@ -132,6 +135,63 @@ TEST(Train, PhaseTimesAndOneStepProfile) {
     }
   }
   EXPECT_EQ(lines, 2);
+}
+
+// training.profile_every: the profiled step's line breaks it down per rank, its parts adding
+// up to the step; the other steps' lines have no breakdown.
+TEST(Train, ProfiledStepBreaksTheStepDownByKind) {
+  dhp::testing::TempDir dir("train_breakdown");
+  {
+    dhp::train::Trainer t(small_config({"training.steps=3", "training.profile_every=2", "data.eval_samples=0",
+                                        "checkpoint.at_end=false", "output.dir=" + (dir.path() / "run").string()}));
+    t.run();
+  }
+  std::ifstream metrics(dir.path() / "run" / "metrics.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(metrics, line)) {
+    ++lines;
+    const auto n = YAML::Load(line);
+    if (lines != 2) {
+      EXPECT_FALSE(n["breakdown_per_rank"]) << "step " << lines;
+      continue;
+    }
+    ASSERT_TRUE(n["breakdown_per_rank"]) << line;
+    double sum = 0;
+    for (const char* part : dhp::train::kBreakdownParts) {
+      const auto v = n["breakdown_per_rank"][part].as<std::vector<double>>();
+      ASSERT_EQ(v.size(), 1u) << part;
+      EXPECT_GE(v[0], 0) << part;
+      sum += v[0];
+    }
+    for (const char* part : {"gemm_s", "attention_s", "elementwise_s", "update_s", "data_s"})
+      EXPECT_GT(n["breakdown_per_rank"][part][0].as<double>(), 0) << part;
+    const double step = n["step_time_s"].as<double>();
+    EXPECT_GE(sum, 0.999 * step);
+    EXPECT_LE(sum, 1.001 * step + 1e-4);  // "other" is what the rest leaves
+  }
+  EXPECT_EQ(lines, 3);
+}
+
+TEST(Train, OperatorsAreSortedByKind) {
+  EXPECT_EQ(dhp::op_kind("aten::mm"), "gemm");
+  EXPECT_EQ(dhp::op_kind("aten::addmm"), "gemm");
+  EXPECT_EQ(dhp::op_kind("AddmmBackward0"), "gemm");
+  EXPECT_EQ(dhp::op_kind("aten::convolution"), "gemm");
+  EXPECT_EQ(dhp::op_kind("dhp::attention"), "attention");
+  EXPECT_EQ(dhp::op_kind("torch::autograd::CppNode<dhp::nn::VarlenAttentionFn>"), "attention");
+  EXPECT_EQ(dhp::op_kind("aten::add_"), "elementwise");
+  EXPECT_EQ(dhp::op_kind("aten::softmax"), "elementwise");
+  // Own time only: a matmul's time is its mm's, and nothing is counted twice.
+  dhp::OpProfile p;
+  auto a = torch::randn({256, 256}), b = torch::randn({256, 256});
+  for (int i = 0; i < 4; ++i) (void)torch::matmul(a, b);
+  for (int i = 0; i < 4; ++i) (void)(a.exp() + b.exp());
+  const auto t = p.times();
+  EXPECT_GT(t.gemm_s, 0);
+  EXPECT_GT(t.elementwise_s, 0);
+  EXPECT_EQ(t.attention_s, 0);
+  EXPECT_GE(t.ops, 16);
 }
 
 TEST(Optim, LrScheduleWarmupThenCosine) {

@@ -6,6 +6,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <mutex>
+
 #include "dhp/core/error.h"
 #include "dhp/parallel/zero.h"
 #include "ranks.h"
@@ -44,7 +46,9 @@ void set_grads(std::vector<dhp::optim::NamedParam>& ps, int step, int64_t rank, 
 
 // Each rank holds its own gradients; the sharded optimizer must step like AdamW on their
 // sum, with the clipping-norm pieces adding up to the norm of the sum.
-void check(int64_t ws, std::vector<dhp::optim::ParamGroup> groups = {}) {
+// bucket_bytes > 0: the bucketed layout (rank r owns chunk r of every bucket), its buckets
+// reduced one by one as a GradReducer would, from the last.
+void check(int64_t ws, std::vector<dhp::optim::ParamGroup> groups = {}, int64_t bucket_bytes = 0) {
   dhp::optim::AdamWOptions o;
   o.weight_decay = 0.1;
   o.groups = std::move(groups);
@@ -62,12 +66,18 @@ void check(int64_t ws, std::vector<dhp::optim::ParamGroup> groups = {}) {
   run_ranks(ws, [&](int64_t r, const dhp::dist::Store& store) {
     dhp::dist::Group g(store, "zero", dhp::testing::first_ranks(ws), r, kTestTimeout);
     auto ps = make_params();
-    dhp::parallel::Zero1AdamW z(ps, o, g);
+    dhp::parallel::Zero1AdamW z(ps, o, g, {}, bucket_bytes);
     EXPECT_EQ(z.total_numel(), 35 + 7 + 15);  // 57: padded to 58 on 2 ranks
-    EXPECT_LE(z.state_numel(), (z.total_numel() + ws - 1) / ws);
+    if (bucket_bytes == 0) EXPECT_LE(z.state_numel(), (z.total_numel() + ws - 1) / ws);
+    else EXPECT_EQ(z.buckets().size(), 3u);  // every parameter is 20 bytes or more: one each
     for (int s = 0; s < 3; ++s) {
       set_grads(ps, s, r, ws);
-      if (s == 1) {  // step() reduces by itself otherwise
+      if (s == 1 && bucket_bytes > 0) {
+        std::vector<dhp::dist::Work> works;
+        for (size_t b = z.buckets().size(); b-- > 0;) works.push_back(z.start_bucket(b, g));
+        for (size_t k = 0; k < works.size(); ++k) z.land_bucket(z.buckets().size() - 1 - k, works[k]);
+        sq_by_rank[static_cast<size_t>(r)].push_back(z.grad_sq_norm().item<double>());
+      } else if (s == 1) {  // step() reduces by itself otherwise
         z.reduce_gradients();
         sq_by_rank[static_cast<size_t>(r)].push_back(z.grad_sq_norm().item<double>());
       }
@@ -104,5 +114,39 @@ TEST(Zero1, ThreeRanksEqualAdamW) { check(3); }
 // Per-group rates and decay (per-module learning rates) as per-element state: "w" at half
 // the rate with its own decay, "e" frozen by a zero rate, "b" on the defaults.
 TEST(Zero1, PerGroupRatesAndDecayEqualAdamW) { check(2, {{"w", 0.5, 0.3}, {"e", 0.0, 0.0}}); }
+// Buckets of one parameter each (20 bytes): rank r owns chunk r of each.
+TEST(Zero1, BucketedLayoutEqualsAdamW) {
+  check(2, {}, 20);
+  check(3, {{"w", 0.5, 0.3}}, 20);
+}
+
+// Over the ranks, held() gives every element of every parameter to exactly one rank, at a
+// place of its state that holds that element's master weight.
+TEST(Zero1, EveryElementIsHeldOnceWhateverTheBuckets) {
+  for (int64_t bucket_bytes : {0, 20, 100, 1 << 20}) {
+    for (int64_t ws : {2, 3}) {
+      auto ref = make_params();
+      std::vector<torch::Tensor> count;
+      for (const auto& p : ref) count.push_back(torch::zeros({p.param.numel()}, torch::kInt64));
+      std::mutex mu;
+      run_ranks(ws, [&](int64_t r, const dhp::dist::Store& store) {
+        dhp::dist::Group g(store, "held", dhp::testing::first_ranks(ws), r, kTestTimeout);
+        auto ps = make_params();
+        dhp::parallel::Zero1AdamW z(ps, dhp::optim::AdamWOptions{}, g, {}, bucket_bytes);
+        std::lock_guard<std::mutex> lock(mu);
+        for (size_t i = 0; i < ps.size(); ++i) {
+          const auto h = z.held(i);
+          if (h.n == 0) continue;
+          count[i].narrow(0, h.param_begin, h.n).add_(1);
+          EXPECT_TRUE(torch::equal(z.master().narrow(0, h.state_begin, h.n),
+                                   ps[i].param.detach().reshape({-1}).narrow(0, h.param_begin, h.n)))
+              << ps[i].name << " bucket_bytes " << bucket_bytes << " ws " << ws;
+        }
+      });
+      for (size_t i = 0; i < count.size(); ++i)
+        EXPECT_TRUE(torch::equal(count[i], torch::ones_like(count[i]))) << ref[i].name << " bucket_bytes " << bucket_bytes;
+    }
+  }
+}
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "dhp/core/machine.h"
 #include "dhp/train/auto_plan.h"
 #include "dhp/train/config.h"
+#include "dhp/train/metrics.h"
 #include "dhp/train/parallel_model.h"
 
 namespace dhp::bench {
@@ -126,6 +127,18 @@ double RunMetrics::mean_over(const std::vector<double>& per_rank, const std::vec
   return n ? s / static_cast<double>(n) : 0;
 }
 
+double RunMetrics::breakdown_fraction(size_t k) const {
+  if (k >= breakdown_per_rank.size() || breakdown_per_rank[k].empty()) return 0;
+  double sum = 0;
+  const size_t ranks = breakdown_per_rank[k].size();
+  for (size_t r = 0; r < ranks; ++r) {
+    double total = 0;
+    for (const auto& part : breakdown_per_rank) total += r < part.size() ? part[r] : 0;
+    if (total > 0) sum += breakdown_per_rank[k][r] / total;
+  }
+  return sum / static_cast<double>(ranks);
+}
+
 double RunMetrics::max_peak_bytes() const {
   return peak_bytes_per_rank.empty() ? 0 : *std::max_element(peak_bytes_per_rank.begin(), peak_bytes_per_rank.end());
 }
@@ -159,7 +172,8 @@ std::vector<Point> parse_points(const std::string& strategies, const std::vector
     }
     for (const auto& kv : p.sets) {
       const auto key = kv.substr(0, kv.find('='));
-      for (const char* reserved : {"data.batch_size", "data.min_side", "data.max_side", "training.steps"}) {
+      for (const char* reserved :
+           {"data.batch_size", "data.min_side", "data.max_side", "training.steps", "training.profile_every"}) {
         DHP_CHECK(key != reserved, "--point '", c, "' sets ", key, ", which the sweep controls (use --batch-sizes, ",
                   "--vision-tokens, --steps)");
       }
@@ -229,6 +243,12 @@ RunMetrics read_metrics(const std::string& path, int64_t warmup) {
     try {
       n = YAML::Load(line);
       if (n["step"].as<int64_t>() <= warmup) continue;
+      if (n["breakdown_per_rank"]) {  // slowed down by the profiler: apart from the averages
+        r.breakdown_per_rank.clear();
+        for (const char* part : train::kBreakdownParts)
+          r.breakdown_per_rank.push_back(n["breakdown_per_rank"][part].as<std::vector<double>>());
+        continue;
+      }
       step_s.push_back(n["step_time_s"].as<double>());
       patches_s.push_back(n["patches_per_s"].as<double>());
       tokens_s.push_back(n["tokens_per_s"].as<double>());
@@ -296,7 +316,9 @@ PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t
   if (o.frames > 0) r.sets.push_back("data.frames=" + std::to_string(o.frames));
   for (const auto& s : {"data.min_side=" + std::to_string(r.image_side),
                         "data.max_side=" + std::to_string(r.mixed() ? r.max_side : r.image_side),
-                        "training.steps=" + std::to_string(o.steps), std::string("data.eval_samples=0"),
+                        // One more step, profiled (the breakdown), after the measured ones.
+                        "training.steps=" + std::to_string(o.steps + 1),
+                        "training.profile_every=" + std::to_string(o.steps + 1), std::string("data.eval_samples=0"),
                         std::string("checkpoint.at_end=false")}) {
     r.sets.push_back(s);
   }

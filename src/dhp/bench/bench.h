@@ -60,6 +60,11 @@ struct RunMetrics {
   std::vector<double> vision_s_per_rank, text_s_per_rank;  // inside each module's forward/backward
   std::vector<double> update_s_per_rank;                    // finish_step: reductions, norm, optimizer
   double samples_s = 0;                                     // making the step's samples (rank 0)
+  // The profiled step after the measured ones (train::kBreakdownParts x ranks, seconds);
+  // empty when the job profiled none.
+  std::vector<std::vector<double>> breakdown_per_rank;
+  // Mean over ranks of part k of the profiled step / that step's time on the rank; 0 when none.
+  double breakdown_fraction(size_t k) const;
   double comm_fraction() const;          // mean over ranks of comm time / step time
   double idle_fraction(const std::vector<int64_t>& ranks) const;
   // Mean over `ranks` of the step's time spent not computing, / step time: the step minus
@@ -123,7 +128,8 @@ void search_batch(std::vector<int64_t> batch_sizes, const std::function<Attempt(
 // the lower of the middle two), so that every figure of the row comes from one run.
 void keep_median_round(PointResult& r, const std::vector<RunMetrics>& rounds);
 
-// Reads a job's metrics.jsonl, averaging the steps after `warmup`.
+// Reads a job's metrics.jsonl, averaging the steps after `warmup`; a profiled step (one with
+// breakdown_per_rank) is kept apart, out of the averages.
 RunMetrics read_metrics(const std::string& path, int64_t warmup);
 
 // Runs the sweep; prints progress (stderr) and the table (stdout); writes the outputs.

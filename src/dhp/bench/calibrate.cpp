@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -100,6 +101,7 @@ constexpr int kSyncRounds = 3;
 struct RankTimings {
   std::vector<std::vector<double>> calls;  // [kind][round * kReps + i]: seconds of one call
   std::vector<std::array<std::vector<double>, 2>> sync;  // [stretch][compute, inside the collective][round]
+  std::array<std::vector<double>, 3> overlap;  // [comm alone, compute alone, both][round]
 };
 
 // Each call starts after a barrier (no skew carried over from the previous one).
@@ -149,6 +151,48 @@ void time_sync(dist::Group& g, RankTimings& out) {
   }
 }
 
+// A 16 MB all-reduce started beside bf16 GEMMs of about its length (parallel.overlap's
+// case): the all-reduce alone, the GEMMs alone, then both (started, GEMMs, waited for).
+void time_overlap(dist::Group& g, RankTimings& out) {
+  auto l = torch::ones({kBigFloats});
+  auto a = torch::randn({256, 256}).to(torch::kBFloat16), b = torch::randn({256, 256}).to(torch::kBFloat16);
+  auto comm = [&] { g.start_all_reduce_sum(l).wait(); };
+  g.barrier();
+  comm();  // warm-up
+  g.barrier();
+  auto t0 = Clock::now();
+  for (int k = 0; k < 8; ++k) (void)torch::matmul(a, b);
+  const double per_gemm = seconds_since(t0) / 8;
+  g.barrier();
+  t0 = Clock::now();
+  comm();
+  // The same count of GEMMs on every rank (from rank 0's timing), about the all-reduce's length.
+  auto n = torch::tensor({static_cast<double>(std::max(1.0, seconds_since(t0) / std::max(per_gemm, 1e-9)))});
+  if (g.rank() != 0) n.zero_();
+  g.all_reduce_sum_(n);
+  const int gemms = static_cast<int>(std::min(1e5, n.item<double>()));
+  auto compute = [&] {
+    for (int k = 0; k < gemms; ++k) (void)torch::matmul(a, b);
+  };
+  for (auto& v : out.overlap) v.assign(kSyncRounds, 0);
+  for (int round = 0; round < kSyncRounds; ++round) {
+    g.barrier();
+    t0 = Clock::now();
+    comm();
+    out.overlap[0][static_cast<size_t>(round)] = seconds_since(t0);
+    g.barrier();
+    t0 = Clock::now();
+    compute();
+    out.overlap[1][static_cast<size_t>(round)] = seconds_since(t0);
+    g.barrier();
+    t0 = Clock::now();
+    auto w = g.start_all_reduce_sum(l);
+    compute();
+    w.wait();
+    out.overlap[2][static_cast<size_t>(round)] = seconds_since(t0);
+  }
+}
+
 // Every rank of a Gloo group of R threads measures; returns their timings.
 std::vector<RankTimings> time_ranks(int64_t R) {
   auto store = dist::make_hash_store();
@@ -163,6 +207,7 @@ std::vector<RankTimings> time_ranks(int64_t R) {
         dist::Group g(store, "calibrate", ranks, r, std::chrono::milliseconds(60000));
         time_calls(g, R, t[static_cast<size_t>(r)]);
         time_sync(g, t[static_cast<size_t>(r)]);
+        time_overlap(g, t[static_cast<size_t>(r)]);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(mu);
         error = e.what();
@@ -230,6 +275,17 @@ void measure_collectives(Cluster& c, const CalibrateOptions& o, const Say& say) 
   }
   c.inter = c.intra;
   say("collectives between compute: " + table);
+  // Overlap: what running both saved, of the shorter; per rank the medians of the rounds.
+  double comm = 0, compute = 0, both = 0;
+  for (const auto& rank : t) {
+    comm += median(rank.overlap[0]) / static_cast<double>(R);
+    compute += median(rank.overlap[1]) / static_cast<double>(R);
+    both += median(rank.overlap[2]) / static_cast<double>(R);
+  }
+  c.overlap_hidden = std::clamp((comm + compute - both) / std::max(std::min(comm, compute), 1e-9), 0.0, 1.0);
+  say("a 16 MB all-reduce beside GEMMs: " + std::to_string(comm * 1e3) + " ms alone, GEMMs " +
+      std::to_string(compute * 1e3) + " ms, both " + std::to_string(both * 1e3) + " ms: " +
+      std::to_string(static_cast<int>(100 * c.overlap_hidden)) + "% of the shorter hidden");
   say("collectives: latency " + std::to_string(lat * 1e3) + " ms; bus bandwidth all-reduce " +
       std::to_string(c.intra.bus_bandwidth / 1e9) + ", all-gather " + std::to_string(c.intra.gather_bandwidth / 1e9) +
       ", all-to-all " + std::to_string(c.intra.a2a_bandwidth / 1e9) + " GB/s");

@@ -12,6 +12,7 @@
 #include "dhp/core/error.h"
 #include "dhp/core/machine.h"
 #include "dhp/models/qwen2_5_vl/config.h"
+#include "dhp/train/metrics.h"
 
 namespace dhp::bench {
 namespace {
@@ -159,6 +160,21 @@ std::string markdown(const std::vector<PointResult>& results, const Options& o, 
   }
   os << "\nidle: blocked on the other module; stalled: not computing (the step minus vision, text and update "
         "time, plus the communication inside them): waiting for another module or replica, or communicating.\n";
+  bool profiled = false;
+  for (const auto& r : results) profiled = profiled || (r.ok() && !r.metrics.breakdown_per_rank.empty());
+  if (profiled) {
+    os << "\nWhere the time goes (the profiled step after the measured ones, mean over ranks, % of that step): "
+          "operators' own time by kind in the forward and backward, time in collectives, the optimizer update "
+          "without its collectives, making the samples, and the rest (dhp's code between operators).\n\n"
+          "| point | vision patches | GEMM % | attention % | element-wise % | comm % | update % | data % | other % |\n"
+          "|---|---|---|---|---|---|---|---|---|\n";
+    for (const auto& r : results) {
+      if (!r.ok() || r.metrics.breakdown_per_rank.empty()) continue;
+      os << "| " << r.name << " | " << (r.mixed() ? std::string("mixed") : std::to_string(r.vision_tokens)) << " |";
+      for (size_t k = 0; k < train::kBreakdownCount; ++k) os << " " << fmt("%.0f", 100 * r.metrics.breakdown_fraction(k)) << " |";
+      os << "\n";
+    }
+  }
   os << "\nGEMM peak measured in this run: " << fmt("%.1f", gemm_peak) << " GFLOP/s (whole machine, "
      << std::thread::hardware_concurrency() << " threads; " << blas_description() << ").\n";
   return os.str();
@@ -205,6 +221,15 @@ void write_json(const std::vector<PointResult>& results, const Options& o, doubl
         << ", \"text_s_per_rank\": " << json_list(m.text_s_per_rank)
         << ", \"update_s_per_rank\": " << json_list(m.update_s_per_rank) << ", \"samples_s\": " << m.samples_s
         << ", \"round_step_time_s\": " << json_list(r.round_step_s) << ", \"failed_rounds\": " << r.failed_rounds;
+      if (!m.breakdown_per_rank.empty()) {
+        f << ", \"breakdown_per_rank\": {";
+        for (size_t k = 0; k < train::kBreakdownCount; ++k)
+          f << (k ? ", " : "") << quoted(train::kBreakdownParts[k]) << ": " << json_list(m.breakdown_per_rank[k]);
+        f << "}, \"breakdown_fraction\": {";
+        for (size_t k = 0; k < train::kBreakdownCount; ++k)
+          f << (k ? ", " : "") << quoted(train::kBreakdownParts[k]) << ": " << m.breakdown_fraction(k);
+        f << "}";
+      }
     }
     f << ", \"sets\": [";
     for (size_t k = 0; k < r.sets.size(); ++k) f << (k ? ", " : "") << quoted(r.sets[k]);

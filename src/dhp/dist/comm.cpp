@@ -360,20 +360,156 @@ void Group::all_reduce_max_(torch::Tensor& t) const {
   impl_->with_pg([&](auto& pg) { pg.allreduce(v, o)->wait(); });
 }
 
-torch::Tensor Group::reduce_scatter_sum(const torch::Tensor& flat) const {
+namespace {
+// Member r's sum of the `size` chunks of `parts` (size x n, as received by the all-to-all of a
+// reduce-scatter), in fp32, added in member order. A copy even for fp32 input, so that the
+// received buffer is freed on return.
+torch::Tensor sum_chunks(const torch::Tensor& parts) {
+  auto sum = parts[0].to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
+  for (int64_t j = 1; j < parts.size(0); ++j) sum.add_(parts[j]);
+  return sum;
+}
+}  // namespace
+
+void Group::check_reduce_scatter(const torch::Tensor& flat) const {
   DHP_CHECK(flat.dim() == 1 && flat.numel() % size() == 0, "reduce_scatter_sum on group '", name_,
             "': needs a 1-D tensor whose length is a multiple of the ", size(), " members, got shape ",
             flat.sizes());
+}
+
+torch::Tensor Group::reduce_scatter_sum(const torch::Tensor& flat) const {
+  check_reduce_scatter(flat);
   const int64_t n = flat.numel() / size();
   if (alone("reduce_scatter_sum")) return flat.to(torch::kFloat32);
   // All-to-all (Gloo in libtorch 1.13 has no reduce-scatter): chunk j goes to member j,
   // which then holds every member's copy of its chunk and adds them up.
   const std::vector<int64_t> rows(static_cast<size_t>(size()), n);
-  auto parts = all_to_all(flat, rows, rows).view({size(), n});
-  // A copy even for fp32 input, so that the received buffer is freed on return.
-  auto sum = parts[0].to(torch::kFloat32, /*non_blocking=*/false, /*copy=*/true);
-  for (int64_t j = 1; j < size(); ++j) sum.add_(parts[j]);
-  return sum;
+  return sum_chunks(all_to_all(flat, rows, rows).view({size(), n}));
+}
+
+Work& Work::operator=(Work&& other) noexcept {
+  if (this != &other) {
+    finish_ = std::move(other.finish_);
+    other.finish_ = nullptr;
+    bytes_ = other.bytes_;
+  }
+  return *this;
+}
+Work::Work(Work&& other) noexcept : finish_(std::move(other.finish_)), bytes_(other.bytes_) { other.finish_ = nullptr; }
+
+Work::~Work() = default;
+
+torch::Tensor Work::wait() {
+  if (!finish_) return torch::Tensor();
+  auto finish = std::move(finish_);
+  finish_ = nullptr;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out = finish();
+  if (bytes_ > 0) {
+    tls_stats.calls += 1;
+    tls_stats.bytes += bytes_;
+    tls_stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return out;
+}
+
+Work Group::done(torch::Tensor result) {
+  Work w;
+  w.finish_ = [result] { return result; };
+  return w;
+}
+
+Work Group::start_all_reduce_sum(torch::Tensor t) const {
+  if (alone("start_all_reduce_sum")) return done(t);
+  TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  // Gloo sums a host fp32 copy (as all_reduce_sum_ does), copied back by wait().
+  auto on = impl_->gloo && gloo_stages(t) ? gloo_copy(t) : t;
+  std::vector<torch::Tensor> v{on};
+  auto work = impl_->with_pg([&](auto& pg) { return pg.allreduce(v); });
+  Work w;
+  w.bytes_ = bytes_of(on);
+  w.finish_ = [work, t, on, impl = impl_]() mutable {
+    impl->guarded([&] { work->wait(); });
+    if (!on.is_same(t)) t.copy_(on);
+    return t;
+  };
+  return w;
+}
+
+Work Work::then(std::function<torch::Tensor(torch::Tensor)> f) && {
+  Work w;
+  w.bytes_ = bytes_;
+  w.finish_ = [prev = std::move(finish_), f = std::move(f)] { return f(prev ? prev() : torch::Tensor()); };
+  finish_ = nullptr;
+  return w;
+}
+
+namespace {
+// A tensor as a backend moves it (data only, nothing summed): Gloo takes host memory and no
+// bf16, so there a CUDA tensor goes through a host copy and 16-bit floats travel as fp16 bit
+// patterns; back() gives a received tensor the original's dtype and device.
+struct Moved {
+  torch::Tensor in;
+  torch::Device device;
+  torch::ScalarType dtype;
+  bool bits;
+  Moved(const torch::Tensor& t, bool gloo)
+      : device(t.device()), dtype(t.scalar_type()), bits(gloo && is_half(t)) {
+    in = gloo ? t.to(torch::kCPU).contiguous() : t.contiguous();
+    if (bits) in = as_bits(in);
+  }
+  torch::Tensor back(const torch::Tensor& out) const { return (bits ? out.view(dtype) : out).to(device); }
+};
+}  // namespace
+
+Work Group::start_reduce_scatter_sum(const torch::Tensor& flat) const {
+  check_reduce_scatter(flat);
+  if (alone("start_reduce_scatter_sum")) return done(flat.to(torch::kFloat32));
+  const int64_t n = flat.numel() / size(), members = size();
+  const std::vector<int64_t> rows(static_cast<size_t>(size()), n);
+  return start_all_to_all(flat, rows, rows).then([members, n](torch::Tensor parts) {
+    return sum_chunks(parts.view({members, n}));
+  });
+}
+
+Work Group::start_all_to_all(const torch::Tensor& t, const std::vector<int64_t>& send_rows,
+                             const std::vector<int64_t>& recv_rows) const {
+  DHP_CHECK(static_cast<int64_t>(send_rows.size()) == size() && static_cast<int64_t>(recv_rows.size()) == size(),
+            "all_to_all on group '", name_, "': ", send_rows.size(), " send and ", recv_rows.size(),
+            " receive splits for ", size(), " members");
+  if (alone("start_all_to_all")) return done(t);
+  const Moved m(t, impl_->gloo.defined());
+  int64_t total = 0;
+  for (auto r : recv_rows) total += r;
+  auto shape = m.in.sizes().vec();
+  shape[0] = total;
+  auto out = torch::empty(shape, m.in.options());
+  auto send = send_rows, recv = recv_rows;
+  auto in = m.in;
+  auto work = impl_->with_pg([&](auto& pg) { return pg.alltoall_base(out, in, recv, send); });
+  Work w;
+  w.bytes_ = bytes_of(m.in);
+  w.finish_ = [work, m, out, impl = impl_] {
+    impl->guarded([&] { work->wait(); });
+    return m.back(out);
+  };
+  return w;
+}
+
+Work Group::start_all_gather(const torch::Tensor& t, int64_t dim) const {
+  if (alone("start_all_gather")) return done(t);
+  const Moved m(t, impl_->gloo.defined());
+  auto inputs = std::make_shared<std::vector<torch::Tensor>>(1, m.in);
+  auto outputs = std::make_shared<std::vector<std::vector<torch::Tensor>>>(1);
+  for (int64_t i = 0; i < size(); ++i) (*outputs)[0].push_back(torch::empty_like(m.in));
+  auto work = impl_->with_pg([&](auto& pg) { return pg.allgather(*outputs, *inputs); });
+  Work w;
+  w.bytes_ = bytes_of(m.in);
+  w.finish_ = [work, inputs, outputs, dim, m, impl = impl_] {
+    impl->guarded([&] { work->wait(); });
+    return m.back(torch::cat((*outputs)[0], dim));
+  };
+  return w;
 }
 
 torch::Tensor Group::all_gather(const torch::Tensor& t, int64_t dim) const {

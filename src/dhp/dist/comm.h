@@ -17,6 +17,7 @@
 #include <torch/types.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -93,6 +94,32 @@ enum class Backend { kGloo, kNccl };
 // True when this build can create NCCL groups.
 bool nccl_available();
 
+// A collective started without waiting (Group::start_*):
+// the backend runs it beside the caller's compute (Gloo on its worker thread; NCCL on its own
+// stream). wait() blocks until it completed and returns its result; it counts in comm_stats()
+// of the waiting thread as one call, its bytes, and the time wait() blocked (the part of the
+// communication that compute did not hide); a second wait() returns an undefined tensor.
+// Move-only. A Work destroyed unwaited is abandoned (the backend keeps its tensors alive): only
+// on the way out of a failed step, after which the group is not used again.
+class Work {
+ public:
+  Work() = default;  // done: wait() returns an undefined tensor
+  Work(Work&& other) noexcept;
+  Work& operator=(Work&& other) noexcept;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+  ~Work();
+  torch::Tensor wait();
+  bool waited() const { return !finish_; }
+  // This work, with f applied to its result by wait() (f's time counts as waiting).
+  Work then(std::function<torch::Tensor(torch::Tensor)> f) &&;
+
+ private:
+  friend class Group;
+  std::function<torch::Tensor()> finish_;  // waits and makes the result
+  int64_t bytes_ = 0;
+};
+
 class Group {
  public:
   Group();  // the group of one: this rank alone
@@ -119,6 +146,10 @@ class Group {
 
   // Sum over the members, in place. Any shape; contiguous fp32/bf16/int64.
   void all_reduce_sum_(torch::Tensor& t) const;
+  // all_reduce_sum_ started now and finished by the Work's wait(), which returns `t` summed.
+  // `t` must not be touched until then. Where Gloo would stage the tensor (a CUDA or a 16-bit
+  // tensor) it runs at once and the Work is done.
+  Work start_all_reduce_sum(torch::Tensor t) const;
   // Element-wise maximum over the members, in place.
   void all_reduce_max_(torch::Tensor& t) const;
   // Reduce-scatter of a 1-D tensor whose length is a multiple of size(): member r gets the
@@ -126,11 +157,18 @@ class Group {
   // same numbers the same way). Moves each element once ((size-1)/size of the input per
   // member, in the input's dtype), half an all-reduce's traffic.
   torch::Tensor reduce_scatter_sum(const torch::Tensor& flat) const;
+  // reduce_scatter_sum started now; the Work's wait() returns this member's fp32 chunk.
+  Work start_reduce_scatter_sum(const torch::Tensor& flat) const;
   // Concatenation along `dim` of every member's tensor (same shapes), in group order.
   torch::Tensor all_gather(const torch::Tensor& t, int64_t dim) const;
+  // all_gather started now; the Work's wait() returns the concatenation.
+  Work start_all_gather(const torch::Tensor& t, int64_t dim) const;
   // Along dim 0: send rows [sum(send[:j]), +send[j]) to member j, receive recv[j] rows from j.
   torch::Tensor all_to_all(const torch::Tensor& t, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows) const;
+  // all_to_all started now; the Work's wait() returns the received rows.
+  Work start_all_to_all(const torch::Tensor& t, const std::vector<int64_t>& send_rows,
+                        const std::vector<int64_t>& recv_rows) const;
   void barrier() const;
 
   // Point-to-point (local, not collective: only the two members involved call it).
@@ -154,6 +192,8 @@ class Group {
  private:
   // True when there is nothing to communicate (a group of one); throws on an unconnected group.
   bool alone(const char* what) const;
+  void check_reduce_scatter(const torch::Tensor& flat) const;
+  static Work done(torch::Tensor result);  // a Work already complete, returning `result`
   // Sets the members and this rank's index among them (throws when `global_rank` is not one).
   void set_members(const std::string& name, std::vector<int64_t> ranks, int64_t global_rank);
   struct Impl;

@@ -32,7 +32,8 @@ GroupUse groups_used(Strategy s) {
 }
 
 ProcessGroups make_process_groups(const Store& store, const ModuleLayout& layout, int64_t global_rank,
-                                  std::chrono::milliseconds timeout, Backend backend, torch::Device device) {
+                                  std::chrono::milliseconds timeout, Backend backend, torch::Device device,
+                                  bool grads_group) {
   ProcessGroups pg;
   const int64_t i = layout.module_rank(global_rank);
   if (i < 0) return pg;
@@ -51,6 +52,8 @@ ProcessGroups make_process_groups(const Store& store, const ModuleLayout& layout
   if (layout.sp == 1) pg.data = pg.dp;
   else if (layout.dp == 1) pg.data = pg.sp;
   else pg.data = group(use.data, "data", layout.data_group(i));
+  const auto data_ranks = layout.sp == 1 ? layout.dp_group(i) : layout.dp == 1 ? layout.sp_group(i) : layout.data_group(i);
+  pg.grads = group(use.data && grads_group, "grads", data_ranks);
   return pg;
 }
 

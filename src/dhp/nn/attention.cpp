@@ -1,5 +1,6 @@
 #include "dhp/nn/attention.h"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -410,6 +411,7 @@ void check_cu_seqlens(const std::vector<int64_t>& cu, int64_t total, const char*
 Tensor varlen_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                         const std::vector<int64_t>& cu_seqlens,
                         const VarlenAttentionOptions& options) {
+  RECORD_USER_SCOPE("dhp::attention");  // the profiled step's attention time (core/op_profile.h)
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
                   k.size(2) == q.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "varlen_attention: q must be (S, H, D) and k, v (S, Hk, D) with Hk dividing H, got ", q.sizes(), ", ",

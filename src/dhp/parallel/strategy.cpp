@@ -101,8 +101,18 @@ class ReplicatedStrategy : public ModuleStrategy {
     const auto params = pick(params_, trained_);
     // Elements of a ZeRO-1 slice are unique over the data group, so its slicing replaces
     // in_norm's data-rank condition.
-    if (layout_.zero == 1) zero1_ = std::make_unique<Zero1AdamW>(params, o, groups_.data, pick(once_over_tp_, trained_));
-    else adam_ = std::make_unique<optim::AdamW>(params, o);
+    if (layout_.zero == 1) {
+      zero1_ = std::make_unique<Zero1AdamW>(params, o, groups_.data, pick(once_over_tp_, trained_), comm_.bucket_bytes);
+    } else {
+      adam_ = std::make_unique<optim::AdamW>(params, o);
+    }
+  }
+
+  void arm_reduction() override {
+    if (auto* r = reducer()) r->arm();
+  }
+  ReductionCounts reduction_counts() const override {
+    return reducer_ ? ReductionCounts{reducer_->started(), reducer_->started_early(), 0} : ReductionCounts{};
   }
 
   void zero_grad() override {
@@ -111,28 +121,24 @@ class ReplicatedStrategy : public ModuleStrategy {
   }
 
   torch::Tensor reduce_gradients() override {
-    if (!tp_partial_.empty() && groups_.tp.size() > 1) {
+    const bool partial = !tp_partial_.empty() && groups_.tp.size() > 1;
+    if (partial) {
       // Replicated halves of adapters beside sharded weights: each TP rank holds a partial sum.
       for (auto& p : tp_partial_)
         if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-      all_reduce_grads(tp_partial_, groups_.tp);
     }
-    if (zero1_) {  // reduce-scattered into the optimizer's slices: no full gradient is summed
-      zero1_->reduce_gradients();
+    if (zero1_) {  // reduce-scattered into the optimizer's chunks: no full gradient is summed
+      // Before the data sum (its buckets wait for it: reducer() does not overlap then).
+      if (partial) all_reduce_grads(tp_partial_, groups_.tp);
+      reducer()->finish();
       memory_mark("gradients reduced");
       return zero1_->grad_sq_norm();
     }
-    if (groups_.data.size() > 1 && !trained_.empty()) {
-      // Every member must reduce the same tensors: a parameter unused here is a zero gradient.
-      std::vector<torch::Tensor> ps;
-      for (auto i : trained_) {
-        auto& p = params_[i].param;
-        if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-        ps.push_back(p);
-      }
-      all_reduce_grads(ps, groups_.data);
+    if (auto* r = reducer()) {
+      r->finish();
       memory_mark("gradients reduced");
     }
+    if (partial) all_reduce_grads(tp_partial_, groups_.tp);  // after the data sum: sums commute
     torch::Tensor sq;
     for (auto i : trained_) {
       const auto& g = params_[i].param.grad();
@@ -172,7 +178,6 @@ class ReplicatedStrategy : public ModuleStrategy {
   std::vector<CheckpointPiece> checkpoint_pieces(const ShapeMap& full_shapes) override {
     std::vector<CheckpointPiece> out;
     const bool data_first = groups_.data.rank() == 0;
-    int64_t flat_at = 0;  // ZeRO-1: where parameter i starts in the flat vector (of the trained ones)
     size_t k = 0;         // parameter i's index among the trained ones (the optimizer's)
     for (size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i];
@@ -192,15 +197,12 @@ class ReplicatedStrategy : public ModuleStrategy {
       const size_t st_k = k++;
       if (zero1_) {
         const auto& z = *zero1_;
-        const int64_t numel = p.param.numel(), lo = z.slice_begin(), hi = lo + z.state_numel();
-        const int64_t b = std::max(flat_at, lo), e = std::min(flat_at + numel, hi);
-        const int64_t begin = b - flat_at;
-        flat_at += numel;
-        if (b >= e) continue;
+        const auto h = z.held(st_k);
+        if (h.n == 0) continue;
         // An fp32 model's masters equal its parameters: loaded, not saved.
-        sink.add("master", z.master().narrow(0, b - lo, e - b), begin, tp_unique && !fp32);
-        sink.add("exp_avg", z.exp_avg().narrow(0, b - lo, e - b), begin, tp_unique);
-        sink.add("exp_avg_sq", z.exp_avg_sq().narrow(0, b - lo, e - b), begin, tp_unique);
+        sink.add("master", z.master().narrow(0, h.state_begin, h.n), h.param_begin, tp_unique && !fp32);
+        sink.add("exp_avg", z.exp_avg().narrow(0, h.state_begin, h.n), h.param_begin, tp_unique);
+        sink.add("exp_avg_sq", z.exp_avg_sq().narrow(0, h.state_begin, h.n), h.param_begin, tp_unique);
       } else if (adam_) {
         const auto& st = adam_->state()[st_k];
         if (!fp32) sink.add("master", st.master.view({-1}), 0, data_first && tp_unique);
@@ -234,6 +236,65 @@ class ReplicatedStrategy : public ModuleStrategy {
   std::vector<bool> in_norm_;              // counted once in the global gradient norm
   std::unique_ptr<optim::AdamW> adam_;
   std::unique_ptr<Zero1AdamW> zero1_;
+  std::unique_ptr<GradReducer> reducer_;
+
+  // The group the reductions run on: a connection of the data group's members of their own
+  // when they overlap the backward (nothing else communicates on it), else the data group.
+  const dist::Group& reduce_group(bool overlap) const {
+    return overlap && groups_.grads.connected() && groups_.grads.size() > 1 ? groups_.grads : groups_.data;
+  }
+
+  // The module's gradient reduction over the data group (made on first use), or null when
+  // there is none (one data replica and no ZeRO-1, or nothing trains).
+  GradReducer* reducer() {
+    if (reducer_) return reducer_.get();
+    if (trained_.empty() || (!zero1_ && groups_.data.size() == 1)) return nullptr;
+    std::vector<torch::Tensor> ps;
+    std::vector<std::string> names;
+    std::vector<int64_t> bytes;
+    for (auto i : trained_) {
+      ps.push_back(params_[i].param);
+      names.push_back(params_[i].name);
+      bytes.push_back(ps.back().numel() * static_cast<int64_t>(ps.back().element_size()));
+    }
+    // ZeRO-1 with tensor-parallel partial gradients sums those over TP first: no overlap.
+    const bool overlap = comm_.overlap && groups_.data.size() > 1 &&
+                         !(zero1_ && !tp_partial_.empty() && groups_.tp.size() > 1);
+    const dist::Group* g = &reduce_group(overlap);
+    if (zero1_) {
+      auto* z = zero1_.get();
+      reducer_ = std::make_unique<GradReducer>(
+          ps, names, z->buckets(), [z, g](size_t b) { return z->start_bucket(b, *g); },
+          [z](size_t b, dist::Work& w) { z->land_bucket(b, w); }, overlap);
+      return reducer_.get();
+    }
+    auto runs = bucket_runs(bytes, comm_.bucket_bytes);
+    auto start = [ps, runs, g](size_t b) {
+      std::vector<torch::Tensor> parts;
+      bool same = true;
+      for (size_t i = runs[b].first; i < runs[b].second; ++i)
+        same = same && ps[i].scalar_type() == ps[runs[b].first].scalar_type();
+      const auto dtype = same ? ps[runs[b].first].scalar_type() : torch::kFloat32;
+      for (size_t i = runs[b].first; i < runs[b].second; ++i) {
+        const auto& grad = ps[i].grad();
+        parts.push_back(grad.defined() ? grad.reshape({-1}).to(dtype) : torch::zeros({ps[i].numel()}, ps[i].options().dtype(dtype)));
+      }
+      return g->start_all_reduce_sum(torch::cat(parts));
+    };
+    auto land = [ps, runs](size_t b, dist::Work& w) {
+      auto flat = w.wait();
+      int64_t off = 0;
+      for (size_t i = runs[b].first; i < runs[b].second; ++i) {
+        auto p = ps[i];
+        auto part = flat.narrow(0, off, p.numel()).view(p.sizes());
+        if (p.grad().defined()) p.mutable_grad().copy_(part);
+        else p.mutable_grad() = part.to(p.scalar_type()).clone();
+        off += p.numel();
+      }
+    };
+    reducer_ = std::make_unique<GradReducer>(ps, names, runs, start, land, overlap);
+    return reducer_.get();
+  }
 };
 
 // Ulysses over the sp group; each rank holds the whole parameters.
@@ -263,6 +324,7 @@ class FullyShardedStrategy : public ModuleStrategy {
 
   void apply(ModuleTarget& target) override {
     zero3_ = target.fully_shard(groups_.dp);
+    zero3_->set_overlap(comm_.overlap && groups_.dp.size() > 1);
     params_ = zero3_->shards();
   }
 
@@ -276,6 +338,7 @@ class FullyShardedStrategy : public ModuleStrategy {
 
   // Frozen slices never get a gradient (Zero3 reduce-scatters the trainable ones only).
   torch::Tensor reduce_gradients() override {
+    zero3_->finish();  // the reduce-scatters still in flight land; prefetched gathers go
     torch::Tensor sq;  // every slice element is unique over the job
     for (const auto& p : params_)
       if (p.param.grad().defined()) add_sq_norm(sq, p.param.grad());
@@ -288,6 +351,7 @@ class FullyShardedStrategy : public ModuleStrategy {
   }
 
   void step(double lr) override {
+    zero3_->finish();  // no gather prefetched before the update may serve after it
     if (adam_) adam_->step(lr);
   }
   void set_step_count(int64_t n) override {
@@ -320,6 +384,7 @@ class FullyShardedStrategy : public ModuleStrategy {
 
   bool whole_parameters() const override { return false; }
   bool replicas_run_together() const override { return true; }
+  ReductionCounts reduction_counts() const override { return {0, 0, zero3_->prefetch_hits()}; }
   torch::Tensor run_unit(const std::string& unit, const nn::StageFn& fn, const torch::Tensor& x) override {
     return zero3_->run(unit, fn, x);
   }
@@ -332,18 +397,19 @@ class FullyShardedStrategy : public ModuleStrategy {
 
 }  // namespace
 
-std::unique_ptr<ModuleStrategy> make_strategy(const dist::ModuleLayout& layout, const dist::ProcessGroups& groups) {
+std::unique_ptr<ModuleStrategy> make_strategy(const dist::ModuleLayout& layout, const dist::ProcessGroups& groups,
+                                              const CommOptions& comm) {
   DHP_CHECK(groups.member, "make_strategy: this rank does not run the ", layout.name, " module");
   switch (layout.strategy) {
     case dist::Strategy::kNone:
     case dist::Strategy::kDataParallel:
-      return std::make_unique<ReplicatedStrategy>(layout, groups);
+      return std::make_unique<ReplicatedStrategy>(layout, groups, comm);
     case dist::Strategy::kSequenceParallel:
-      return std::make_unique<SequenceParallelStrategy>(layout, groups);
+      return std::make_unique<SequenceParallelStrategy>(layout, groups, comm);
     case dist::Strategy::kTensorParallel:
-      return std::make_unique<TensorParallelStrategy>(layout, groups);
+      return std::make_unique<TensorParallelStrategy>(layout, groups, comm);
     case dist::Strategy::kZero3:
-      return std::make_unique<FullyShardedStrategy>(layout, groups);
+      return std::make_unique<FullyShardedStrategy>(layout, groups, comm);
   }
   TORCH_INTERNAL_ASSERT(false, "unknown strategy ", static_cast<int>(layout.strategy));
 }

@@ -12,13 +12,16 @@
 //
 // The classes (strategy.cpp):
 //   none / dp  ReplicatedStrategy      whole parameters; gradients summed over the data
-//                                      group (bucketed all-reduce), AdamW; or ZeRO-1
+//                                      group (bucketed all-reduce, started during the last
+//                                      backward: GradReducer), AdamW; or ZeRO-1
 //   sp         SequenceParallelStrategy  as dp, after target.sequence_parallel(sp group);
 //                                      ZeRO-1 by default (layout.zero)
 //   tp         TensorParallelStrategy  target.tensor_parallel(tp group): sharded linears;
 //                                      replicated over dp like dp (optionally ZeRO-1)
 //   zero3      FullyShardedStrategy    target.fully_shard(dp group): flat parameter slices,
-//                                      gradients reduce-scattered in backward, AdamW on slices
+//                                      gradients reduce-scattered in backward (with overlap:
+//                                      the next unit prefetched, reduce-scatters landing
+//                                      later), AdamW on slices
 // Collective: every method that says so must be called by every rank of the module, in
 // the same order. Not thread-safe.
 #pragma once
@@ -59,6 +62,19 @@ class ModuleTarget {
   virtual std::unique_ptr<Zero3> fully_shard(const dist::Group& group) = 0;
 };
 
+// How a strategy communicates its gradients (parallel.overlap, parallel.bucket_mb).
+struct CommOptions {
+  bool overlap = true;              // data-parallel and ZeRO-1 reductions start during the last backward
+  int64_t bucket_bytes = 25 << 20;  // gradients per reduction (ZeRO-1: also its state's layout)
+};
+
+// What the gradient reduction of a module did on this rank so far.
+struct ReductionCounts {
+  int64_t buckets = 0;  // bucket reductions started
+  int64_t early = 0;    // of them, started during a backward (overlapped with compute)
+  int64_t prefetched = 0;  // ZeRO-3 gathers served by a prefetch
+};
+
 // What a strategy holds on this rank, in elements (parameter accounting).
 struct HeldElements {
   int64_t parameters = 0;       // parameter elements (a TP shard, a ZeRO-3 slice, or all)
@@ -85,6 +101,11 @@ class ModuleStrategy {
   // of the squared global gradient norm: summed over the job, every element counted once.
   // A 0-dim fp64 tensor on the gradients' device (read once a step, by the caller).
   virtual torch::Tensor reduce_gradients() = 0;
+  // The next backward is the step's last of this module on this rank (parallel_model.cpp
+  // says when): reductions that overlap it (CommOptions::overlap) may start as its gradients
+  // complete; reduce_gradients() waits for them.
+  virtual void arm_reduction() {}
+  virtual ReductionCounts reduction_counts() const { return {}; }
   virtual void scale_gradients(double factor) = 0;  // clipping
   virtual void step(double lr) = 0;
   virtual void set_step_count(int64_t n) = 0;  // resuming: bias corrections continue from n
@@ -108,15 +129,17 @@ class ModuleStrategy {
   }
 
   // (Abstract: make_strategy builds the concrete classes.)
-  ModuleStrategy(dist::ModuleLayout layout, dist::ProcessGroups groups)
-      : layout_(std::move(layout)), groups_(std::move(groups)) {}
+  ModuleStrategy(dist::ModuleLayout layout, dist::ProcessGroups groups, CommOptions comm)
+      : layout_(std::move(layout)), groups_(std::move(groups)), comm_(comm) {}
 
  protected:
   dist::ModuleLayout layout_;
   dist::ProcessGroups groups_;
+  CommOptions comm_;
 };
 
 // The strategy object of `layout` (validated) on this rank's `groups` (member == true).
-std::unique_ptr<ModuleStrategy> make_strategy(const dist::ModuleLayout& layout, const dist::ProcessGroups& groups);
+std::unique_ptr<ModuleStrategy> make_strategy(const dist::ModuleLayout& layout, const dist::ProcessGroups& groups,
+                                              const CommOptions& comm = {});
 
 }  // namespace dhp::parallel

@@ -1,5 +1,6 @@
 #include "dhp/parallel/zero3.h"
 
+#include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
 #include "dhp/core/error.h"
@@ -29,6 +30,7 @@ struct Zero3Stage : torch::autograd::Function<Zero3Stage> {
     if (nn::random_ops_in_use()) h->rng = nn::RngState::save(x.device());
     torch::NoGradGuard no_grad;
     h->zero->gather(u);
+    h->zero->prefetch_after(u, Zero3::Pass::kForward);
     torch::Tensor y;
     try {
       y = h->fn(x);
@@ -48,6 +50,7 @@ struct Zero3Stage : torch::autograd::Function<Zero3Stage> {
     const bool x_grad = x.is_floating_point() && ctx->needs_input_grad(0);
     if (x_grad) x.requires_grad_(true);
     z.gather(u);
+    z.prefetch_after(u, Zero3::Pass::kBackward);
     std::vector<torch::Tensor> inputs;
     if (x_grad) inputs.push_back(x);
     const auto trained = z.trained(u);  // frozen parameters: no gradient, no reduce-scatter
@@ -66,13 +69,32 @@ struct Zero3Stage : torch::autograd::Function<Zero3Stage> {
                                 /*allow_unused=*/true);
     }
     std::vector<torch::Tensor> param_grads(g.begin() + (x_grad ? 1 : 0), g.end());
-    auto slices = z.reduce_scatter(trained, param_grads);
+    std::vector<torch::Tensor> slices;
+    if (z.overlap_) {
+      // Lands later: the previous unit's now, after this one's compute ran beside it; every
+      // one of this backward when it ends, into the slices' .grad (as their gradient
+      // accumulators would: summed over the backward first, then added).
+      z.start_reduce_scatter(trained, param_grads);
+      z.land_reductions(1);
+      if (!z.flush_queued_) {
+        z.flush_queued_ = true;
+        torch::autograd::Engine::get_default_engine().queue_callback([&z] {
+          z.flush_queued_ = false;
+          z.land_reductions(0);
+          z.flush_landed();
+        });
+      }
+    } else {
+      slices = z.reduce_scatter(trained, param_grads);
+    }
     param_grads.clear();
     z.release(u);
     variable_list out;
     out.push_back(x_grad ? g[0] : torch::Tensor());
     size_t k = 0;
-    for (auto i : u.params) out.push_back(z.params_[i].trainable ? slices[k++] : torch::Tensor());
+    for (auto i : u.params) {
+      out.push_back(z.params_[i].trainable && !slices.empty() ? slices[k++] : torch::Tensor());
+    }
     out.push_back(torch::Tensor());  // holder
     return out;
   }
@@ -114,10 +136,19 @@ Zero3::Zero3(const std::vector<optim::NamedParam>& params, const std::vector<std
 void Zero3::gather(const Unit& u) {
   torch::NoGradGuard no_grad;
   if (u.params.empty()) return;
-  std::vector<torch::Tensor> mine;
-  for (auto i : u.params) mine.push_back(params_[i].shard.detach());
-  auto all = group_.all_gather(torch::cat(mine), 0).view({group_.size(), u.width});  // row r: rank r's slices
-  ++gathers_;
+  torch::Tensor all;
+  auto it = prefetched_.find(&u);
+  if (it != prefetched_.end()) {
+    all = it->second.wait();
+    prefetched_.erase(it);
+    ++hits_;
+  } else {
+    std::vector<torch::Tensor> mine;
+    for (auto i : u.params) mine.push_back(params_[i].shard.detach());
+    all = group_.all_gather(torch::cat(mine), 0);
+    ++gathers_;
+  }
+  all = all.view({group_.size(), u.width});  // row r: rank r's slices
   int64_t off = 0;
   for (auto i : u.params) {
     auto& p = params_[i];
@@ -125,6 +156,61 @@ void Zero3::gather(const Unit& u) {
     p.param.set_data(full);
     off += p.chunk;
   }
+}
+
+void Zero3::prefetch_after(const Unit& u, Pass pass) {
+  auto& after = after_[pass == Pass::kBackward ? 1 : 0];
+  if (last_ && last_pass_ == pass) after[last_] = &u;
+  last_ = &u;
+  last_pass_ = pass;
+  if (!overlap_) return;
+  const auto it = after.find(&u);
+  if (it == after.end()) return;
+  const Unit* next = it->second;
+  if (next == &u || next->params.empty() || prefetched_.count(next) > 0 || prefetched_.size() >= 2) return;
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> mine;
+  for (auto i : next->params) mine.push_back(params_[i].shard.detach());
+  prefetched_.emplace(next, group_.start_all_gather(torch::cat(mine), 0));
+  ++gathers_;
+}
+
+void Zero3::start_reduce_scatter(const std::vector<size_t>& params, const std::vector<torch::Tensor>& grads) {
+  torch::NoGradGuard no_grad;
+  if (params.empty()) return;
+  const std::vector<int64_t> ones(static_cast<size_t>(group_.size()), 1);
+  reductions_.push_back({params, group_.start_all_to_all(scatter_rows(params, grads), ones, ones)});
+}
+
+void Zero3::land_reductions(size_t keep) {
+  torch::NoGradGuard no_grad;
+  while (reductions_.size() > keep) {
+    auto r = std::move(reductions_.front());
+    reductions_.erase(reductions_.begin());
+    const auto slices = slices_of(r.params, r.work.wait().sum(0));
+    for (size_t k = 0; k < r.params.size(); ++k) {
+      auto it = landed_.find(r.params[k]);
+      if (it == landed_.end()) landed_.emplace(r.params[k], slices[k]);
+      else it->second.add_(slices[k]);
+    }
+  }
+}
+
+void Zero3::flush_landed() {
+  torch::NoGradGuard no_grad;
+  for (auto& [i, g] : landed_) {
+    auto& shard = params_[i].shard;
+    if (shard.grad().defined()) shard.mutable_grad().add_(g);
+    else shard.mutable_grad() = g;
+  }
+  landed_.clear();
+}
+
+void Zero3::finish() {
+  land_reductions(0);
+  flush_landed();
+  for (auto& [unit, work] : prefetched_) work.wait();
+  prefetched_.clear();
 }
 
 void Zero3::release(const Unit& u) {
@@ -138,10 +224,7 @@ std::vector<size_t> Zero3::trained(const Unit& u) const {
   return out;
 }
 
-std::vector<torch::Tensor> Zero3::reduce_scatter(const std::vector<size_t>& params,
-                                                 const std::vector<torch::Tensor>& grads) const {
-  torch::NoGradGuard no_grad;
-  if (params.empty()) return {};  // a frozen unit: nothing to reduce (the same on every rank)
+torch::Tensor Zero3::scatter_rows(const std::vector<size_t>& params, const std::vector<torch::Tensor>& grads) const {
   const int64_t ws = group_.size();
   std::vector<torch::Tensor> rows;  // each (ws, chunk): row j goes to rank j
   for (size_t k = 0; k < params.size(); ++k) {
@@ -150,9 +233,10 @@ std::vector<torch::Tensor> Zero3::reduce_scatter(const std::vector<size_t>& para
     if (grads[k].defined()) flat.narrow(0, 0, p.numel).copy_(grads[k].reshape({-1}));
     rows.push_back(flat.view({ws, p.chunk}));
   }
-  auto send = torch::cat(rows, 1);  // (ws, width)
-  std::vector<int64_t> ones(static_cast<size_t>(ws), 1);
-  auto recv = group_.all_to_all(send, ones, ones).sum(0);  // (width): my slice, summed over ranks
+  return torch::cat(rows, 1);  // (ws, width)
+}
+
+std::vector<torch::Tensor> Zero3::slices_of(const std::vector<size_t>& params, const torch::Tensor& recv) const {
   std::vector<torch::Tensor> out;
   int64_t off = 0;
   for (auto i : params) {
@@ -160,6 +244,15 @@ std::vector<torch::Tensor> Zero3::reduce_scatter(const std::vector<size_t>& para
     off += params_[i].chunk;
   }
   return out;
+}
+
+std::vector<torch::Tensor> Zero3::reduce_scatter(const std::vector<size_t>& params,
+                                                 const std::vector<torch::Tensor>& grads) const {
+  torch::NoGradGuard no_grad;
+  if (params.empty()) return {};  // a frozen unit: nothing to reduce (the same on every rank)
+  const std::vector<int64_t> ones(static_cast<size_t>(group_.size()), 1);
+  auto recv = group_.all_to_all(scatter_rows(params, grads), ones, ones).sum(0);  // (width): my slice, summed
+  return slices_of(params, recv);
 }
 
 torch::Tensor Zero3::run(const std::string& unit, const nn::StageFn& fn, const torch::Tensor& x) {

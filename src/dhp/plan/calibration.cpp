@@ -44,6 +44,7 @@ void save_cluster(const Cluster& c, const std::string& path) {
   j.set("synthetic_s_per_patch", io::Json(c.synthetic_s_per_patch));
   j.set("zero3_unit_s_per_byte", io::Json(c.zero3_unit_s_per_byte));
   j.set("half_all_reduce_in_fp32", io::Json(c.half_all_reduce_in_fp32));
+  j.set("overlap_hidden", io::Json(c.overlap_hidden));
   for (const auto& [prefix, l] : {std::pair<std::string, const Link*>{"intra", &c.intra}, {"inter", &c.inter}}) {
     j.set(prefix + "_bus_bandwidth", io::Json(l->bus_bandwidth));
     j.set(prefix + "_gather_bandwidth", io::Json(l->gather_bandwidth));
@@ -105,6 +106,9 @@ Cluster load_local_cluster(const std::string& path) {
   if (const auto* v = j.find("synthetic_s_per_patch")) c.synthetic_s_per_patch = v->number(what + " synthetic_s_per_patch");
   if (const auto* v = j.find("zero3_unit_s_per_byte")) c.zero3_unit_s_per_byte = v->number(what + " zero3_unit_s_per_byte");
   if (const auto* w = j.find("half_all_reduce_in_fp32")) c.half_all_reduce_in_fp32 = w->boolean(what + " half_all_reduce_in_fp32");
+  if (const auto* v = j.find("overlap_hidden")) c.overlap_hidden = v->number(what + " overlap_hidden");
+  DHP_CHECK(c.overlap_hidden >= 0 && c.overlap_hidden <= 1, path, ": overlap_hidden must be in [0, 1], got ",
+            c.overlap_hidden);
   auto link = [&](const std::string& p) {
     auto opt = [&](const std::string& k) {
       const auto* v = j.find(p + k);

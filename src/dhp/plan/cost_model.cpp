@@ -110,10 +110,11 @@ struct Tally {
     // FA2 backward: 2.5x the forward's matmul work
     cost.attention_s += passes_fwd() * s + (backward != kNoBackward ? 2.5 * s : 0.0);
   }
-  void collective(double seconds, double bytes, int64_t calls) {
+  void collective(double seconds, double bytes, int64_t calls, bool overlappable = false) {
     cost.comm_s += seconds;
     cost.comm_bytes += bytes;
     cost.comm_calls += calls;
+    if (overlappable) cost.overlap_s += seconds;
   }
 };
 
@@ -193,15 +194,18 @@ void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, doub
   const int64_t n = s.ranks();
   if (n <= 1) return;
   const Link& l = link_for(c, n);
+  // The gradients' reduction may overlap the last backward; ZeRO-1's gather of the updated
+  // parameters follows the update and does not.
   if (s.kind == S::kSequenceParallel) {  // ZeRO-1: reduce-scatter the gradients, all-gather the updated parameters
     const double b = params * gbytes;
-    tl.collective(2 * all_gather_seconds(l, n, b), 2 * b * (n - 1) / n, 2);
+    tl.collective(all_gather_seconds(l, n, b), b * (n - 1) / n, 1, true);
+    tl.collective(all_gather_seconds(l, n, b), b * (n - 1) / n, 1);
   } else if (s.kind == S::kTensorParallel && s.dp > 1) {
     const double b = params / static_cast<double>(s.degree) * all_reduce_elem_bytes(c, gbytes);
-    tl.collective(all_reduce_seconds(link_for(c, n), s.dp, b), 2 * b * (s.dp - 1) / s.dp, 1);
+    tl.collective(all_reduce_seconds(link_for(c, n), s.dp, b), 2 * b * (s.dp - 1) / s.dp, 1, true);
   } else if (s.kind == S::kDataParallel) {
     const double b = params * all_reduce_elem_bytes(c, gbytes);
-    tl.collective(all_reduce_seconds(l, n, b), 2 * b * (n - 1) / n, 1);
+    tl.collective(all_reduce_seconds(l, n, b), 2 * b * (n - 1) / n, 1, true);
   }
 }
 
@@ -222,7 +226,7 @@ void zero3_unit_collectives(Tally& tl, const Cluster& c, const Conventions& cv, 
   if (cv.zero3_units) {
     const double gathers = tl.backward == kNoBackward ? 1 : 2;
     tl.collective(units * (gathers * all_gather_seconds(l, n, b) + reduces * all_to_all_seconds(l, n, b)),
-                  units * (gathers + reduces) * b * frac, static_cast<int64_t>(units * (gathers + reduces)));
+                  units * (gathers + reduces) * b * frac, static_cast<int64_t>(units * (gathers + reduces)), true);
     if (reduces > 0)
       tl.cost.elementwise_s += units * (c.zero3_unit_s_per_byte > 0 ? b * c.zero3_unit_s_per_byte
                                                                     : elementwise_seconds(c, cv.zero3_copy_passes * b, 8));
@@ -231,6 +235,17 @@ void zero3_unit_collectives(Tally& tl, const Cluster& c, const Conventions& cv, 
   const double gathers = tl.backward == kNoBackward ? 1 : checkpointing ? 3 : 2;
   tl.collective(units * (gathers + reduces) * all_gather_seconds(l, n, b), units * (gathers + reduces) * b * frac,
                 static_cast<int64_t>(units * (gathers + reduces)));
+}
+
+// Of the module's overlappable communication, what its compute hides (Conventions::overlap):
+// the measured fraction of the shorter of the two. Gradient reductions run beside the last
+// micro-batch's backward (about half of its compute); ZeRO-3's gathers and reduce-scatters
+// beside every unit's compute.
+void add_hidden(ModuleCost& cost, const Cluster& c, const Conventions& cv, const ModuleStrategy& s, int64_t micro_batches) {
+  if (!cv.overlap || c.overlap_hidden <= 0 || cost.overlap_s <= 0) return;
+  const double compute = cost.gemm_s + cost.attention_s + cost.elementwise_s;
+  const double beside = s.kind == S::kZero3 ? compute : 0.5 * compute / static_cast<double>(std::max<int64_t>(1, micro_batches));
+  cost.hidden_s = c.overlap_hidden * std::min(cost.overlap_s, beside);
 }
 
 // Waiting at the module's collectives for the slowest rank: each call after the module's
@@ -485,6 +500,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   const auto pt = static_cast<double>(qwen::count_trainable(model, fz).vision +
                                       qwen::count_adapter_parameters(model, w.lora).vision);
   step_collectives(tl, c, s, pt, b);
+  add_hidden(cost, c, cv, s, w.micro_batches);
   add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "vision", s, v.depth, w);
@@ -591,6 +607,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   const auto pc = static_cast<double>(qwen::count_parameters(m).text + qwen::count_adapter_parameters(m, w.lora).text);
   const auto pt = static_cast<double>(qwen::count_trainable(m, fz).text + qwen::count_adapter_parameters(m, w.lora).text);
   step_collectives(tl, c, s, pt, b);
+  add_hidden(cost, c, cv, s, w.micro_batches);
   add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "text", s, tc.num_layers, w);

@@ -120,6 +120,7 @@ Conventions conventions(const std::string& name) {
     cv.zero3_copy_passes = 0;
     cv.eager = true;       // eager PyTorch under Ray
     cv.dtensor_tp = true;  // its TP: parallelize_module with ColwiseParallel / RowwiseParallel
+    cv.overlap = false;    // its numbers were measured as they ran: nothing modeled beyond them
     return cv;
   }
   if (name == "deepspeed") {
@@ -135,6 +136,7 @@ Conventions conventions(const std::string& name) {
     cv.zero3_units = false;
     cv.zero3_copy_passes = 0;
     cv.eager = true;  // eager PyTorch under HF Trainer
+    cv.overlap = false;
     return cv;
   }
   DHP_FAIL("unknown conventions '", name, "'; known: dhp, reference, deepspeed");

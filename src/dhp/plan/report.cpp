@@ -33,6 +33,8 @@ io::Json module_json(const ModuleCost& m) {
   j.set("comm_calls", io::Json(m.comm_calls));
   j.set("comm_bytes", io::Json(m.comm_bytes));
   j.set("sync_s", io::Json(m.sync_s));
+  j.set("overlap_s", io::Json(m.overlap_s));
+  j.set("hidden_s", io::Json(m.hidden_s));
   j.set("host_s", io::Json(m.host_s));
   j.set("optimizer_s", io::Json(m.optimizer_s));
   j.set("flops", io::Json(m.flops));

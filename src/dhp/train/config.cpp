@@ -129,6 +129,7 @@ void Config::validate() const {
   DHP_CHECK(training.attention_block > 0, "training.attention_block must be > 0");
   nn::parse_attention_kernel(training.attention, "training.attention");
   DHP_CHECK(training.log_every > 0, "training.log_every must be > 0");
+  DHP_CHECK(training.profile_every >= 0, "training.profile_every must be >= 0 (0 = never), got ", training.profile_every);
   parse_bytes(training.memory_limit, "training.memory_limit");
   {
     const Combination named = parse_combination(parallel.strategy);
@@ -137,6 +138,7 @@ void Config::validate() const {
               "parallel.backend='", parallel.backend, "' is not auto, nccl or gloo");
     DHP_CHECK(parallel.balance == "cost" || parallel.balance == "contiguous", "parallel.balance='", parallel.balance,
               "' is not cost or contiguous");
+    DHP_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
     DHP_CHECK(named != Combination::kCustom || (!parallel.vision.strategy.empty() && !parallel.text.strategy.empty()),
               "parallel.strategy=custom needs parallel.vision.strategy and parallel.text.strategy");
     for (const auto& [key, m] : {std::pair<const char*, const ModuleParallelOptions*>{"parallel.vision.strategy", &parallel.vision},

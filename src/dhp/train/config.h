@@ -125,6 +125,7 @@ struct TrainingOptions {
   std::string attention = "auto";         // auto | dhp | flash (nn::AttentionKernel)
   std::string memory_limit = "0";         // per-process CPU tensor budget, e.g. 8GiB (0 = none)
   int64_t log_every = 10;                 // progress lines when stderr is not a terminal
+  int64_t profile_every = 0;              // steps between profiled steps (0: none)
   template <class V>
   void visit(V& v) {
     v.field("steps", steps, "optimizer steps");
@@ -156,6 +157,10 @@ struct TrainingOptions {
             "otherwise; a fallback on a GPU is logged once), dhp, or flash (an error where it cannot run)");
     v.field("memory_limit", memory_limit, "CPU tensor memory budget, e.g. 8GiB (0 = unlimited)");
     v.field("log_every", log_every, "steps between progress lines when not on a terminal");
+    v.field("profile_every", profile_every,
+            "profile every Nth step (0: never): its metrics.jsonl line breaks the step down per rank into GEMM, "
+            "attention, element-wise, communication wait, optimizer update and data time (the profiler slows that "
+            "step down, so it is left out of the throughput)");
   }
 };
 
@@ -198,6 +203,8 @@ struct ParallelOptions {
   std::string socket_ifname;  // interfaces of a multi-host job's Gloo groups ("" = derived)
   bool pipeline = true;    // pipeline micro-batches between disjoint vision and text ranks
   std::string balance = "cost";  // cost | contiguous: how a micro-batch's samples go to data-parallel replicas
+  bool overlap = true;     // gradient reductions start during the step's last backward
+  double bucket_mb = 25;   // MiB of gradients per reduction bucket
   ModuleParallelOptions vision, text;
   template <class V>
   void visit(V& v) {
@@ -223,6 +230,13 @@ struct ParallelOptions {
             "of each sample in the module, largest first to the least loaded replica; modules on the same ranks in "
             "the same replicas share one assignment by their summed cost) or contiguous (equal runs of samples in "
             "order). The loss and the gradients are the same either way");
+    v.field("overlap", overlap,
+            "start the data-parallel and ZeRO-1 gradient reductions during the step's last backward, a bucket as soon "
+            "as its gradients are complete, on a group of their own (false: all of them after the backward). From the "
+            "second step: the first checks that every gradient arrives in one piece");
+    v.field("bucket_mb", bucket_mb,
+            "MiB of gradients per reduction bucket (one all-reduce or reduce-scatter each; ZeRO-1's optimizer state is "
+            "laid out by bucket, and checkpoints load whatever the bucket size)");
     v.section("vision", vision, "vision tower strategy (overrides parallel.strategy)");
     v.section("text", text, "text decoder strategy (overrides parallel.strategy)");
   }

@@ -32,7 +32,17 @@ struct StepMetrics {
   std::vector<double> peak_bytes_per_rank, comm_s_per_rank, busy_s_per_rank, idle_s_per_rank;
   std::vector<double> vision_s_per_rank, text_s_per_rank;  // time in each module's forward/backward
   std::vector<double> update_s_per_rank;                    // time in finish_step (update_s)
+  // A profiled step (training.profile_every) only: per part of the step, its seconds on each
+  // rank (kBreakdownParts, in that order); empty on other steps.
+  std::vector<std::vector<double>> breakdown_per_rank;
 };
+
+// The parts of a profiled step: operators' own time by kind during the forward and backward
+// (core/op_profile.h), time in collectives (the whole step), finish_step without its
+// collectives, making the step's samples, and the rest (dhp's own code between operators).
+inline constexpr const char* kBreakdownParts[] = {"gemm_s",   "attention_s", "elementwise_s", "comm_s",
+                                                  "update_s", "data_s",      "other_s"};
+inline constexpr size_t kBreakdownCount = sizeof(kBreakdownParts) / sizeof(kBreakdownParts[0]);
 
 struct EvalResult {
   int64_t samples = 0;

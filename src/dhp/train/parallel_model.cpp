@@ -3,6 +3,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -78,6 +79,13 @@ optim::AdamWOptions optimizer_options(const Config& cfg) {
     const auto [lr, wd] = part.at(name);
     o.groups.push_back({prefix, lr < 0 ? 1.0 : lr / t.lr, wd});
   }
+  return o;
+}
+
+parallel::CommOptions comm_options(const Config& cfg) {
+  parallel::CommOptions o;
+  o.overlap = cfg.parallel.overlap;
+  o.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.parallel.bucket_mb * (1 << 20)));
   return o;
 }
 
@@ -180,7 +188,8 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
     s.member = s.layout.module_rank(rt_.rank) >= 0;
     // Collective over the job: every rank builds every module's groups, in module order.
     if (rt_.world > 1) {
-      s.pg = dist::make_process_groups(*rt_.store, s.layout, rt_.rank, rt_.timeout, place.backend, device_);
+      s.pg = dist::make_process_groups(*rt_.store, s.layout, rt_.rank, rt_.timeout, place.backend, device_,
+                                       cfg_.parallel.overlap);
     }
     s.pg.member = s.member;
     if (s.member) s.coord = s.layout.coord(s.layout.module_rank(rt_.rank));
@@ -192,7 +201,7 @@ ParallelModel::ParallelModel(const Config& cfg, const Layouts& layouts, const Ru
   }
   for (auto& s : stages_) {
     if (!s.member) continue;
-    s.strategy = parallel::make_strategy(s.layout, s.pg);
+    s.strategy = parallel::make_strategy(s.layout, s.pg, comm_options(cfg_));
     s.strategy->apply(*s.target);
   }
   const auto o = optimizer_options(cfg_);
@@ -226,6 +235,18 @@ parallel::HeldElements ParallelModel::held(const std::string& name) const {
     if (s.layout.name == name) return s.strategy ? s.strategy->held() : parallel::HeldElements{};
   }
   DHP_FAIL("no module named '", name, "'");
+}
+
+parallel::ReductionCounts ParallelModel::reduction_counts() const {
+  parallel::ReductionCounts sum;
+  for (const auto& s : stages_) {
+    if (!s.strategy) continue;
+    const auto c = s.strategy->reduction_counts();
+    sum.buckets += c.buckets;
+    sum.early += c.early;
+    sum.prefetched += c.prefetched;
+  }
+  return sum;
 }
 
 std::vector<Action> ParallelModel::schedule(int64_t micro_batches) const {
@@ -305,8 +326,17 @@ ParallelModel::StepResult ParallelModel::forward_backward(std::vector<std::vecto
   }
   StepResult result;
   torch::Tensor loss_sum;  // on the device, read once at the end of the step
-  for (const auto& a : schedule(static_cast<int64_t>(micro.size()))) {
-    run_action(a, micro, global_targets, state, result, loss_sum);
+  const auto actions = schedule(static_cast<int64_t>(micro.size()));
+  // Each module's last backward on this rank: its gradient reductions may start during it.
+  std::vector<size_t> last_backward(stages_.size(), actions.size());
+  for (size_t i = 0; i < actions.size(); ++i) {
+    if (actions[i].op == Op::kDecode) last_backward.back() = i;
+    if (actions[i].op == Op::kEncodeBackward) last_backward[static_cast<size_t>(actions[i].module)] = i;
+  }
+  for (size_t i = 0; i < actions.size(); ++i) {
+    for (size_t m = 0; m < stages_.size(); ++m)
+      if (last_backward[m] == i && stages_[m].strategy) stages_[m].strategy->arm_reduction();
+    run_action(actions[i], micro, global_targets, state, result, loss_sum);
   }
   const auto t0 = std::chrono::steady_clock::now();
   acts_.wait_sends();

@@ -87,6 +87,8 @@ torch::Device resolve_device(const Config& cfg, const Runtime& rt);
 // training.beta1/beta2/eps/weight_decay and the per-module rates and decay (training.lr_vision,
 // ..., as optim::ParamGroups over qwen::part_prefixes()) as the optimizer's options.
 optim::AdamWOptions optimizer_options(const Config& cfg);
+// parallel.overlap and parallel.bucket_mb as the strategies' communication options.
+parallel::CommOptions comm_options(const Config& cfg);
 // training.attention_block and training.attention as the attention kernel's options.
 nn::VarlenAttentionOptions attention_options(const Config& cfg);
 
@@ -136,6 +138,9 @@ class ParallelModel {
   std::vector<bool> encodes(const std::vector<data::Sample>& mb) const;
   // What module `name`'s strategy holds on this rank ({0, 0} where it does not run).
   parallel::HeldElements held(const std::string& name) const;
+  // Gradient reduction buckets this rank started so far over its modules, and how many of
+  // them during a backward (parallel.overlap).
+  parallel::ReductionCounts reduction_counts() const;
   // Gradient sums, global-norm clipping (max_norm 0 = off), optimizer steps. Returns the
   // global gradient norm before clipping (equal on every rank). Throws NonFiniteGradient on
   // every rank, before any update, when that norm is not finite.

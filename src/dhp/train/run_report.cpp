@@ -48,6 +48,15 @@ std::string metrics_json(const StepMetrics& m) {
   list("vision_s_per_rank", m.vision_s_per_rank);
   list("text_s_per_rank", m.text_s_per_rank);
   list("update_s_per_rank", m.update_s_per_rank);
+  if (!m.breakdown_per_rank.empty()) {
+    os << ", \"breakdown_per_rank\": {";
+    for (size_t k = 0; k < kBreakdownCount; ++k) {
+      os << (k ? ", " : "") << "\"" << kBreakdownParts[k] << "\": [";
+      for (size_t i = 0; i < m.breakdown_per_rank[k].size(); ++i) os << (i ? ", " : "") << m.breakdown_per_rank[k][i];
+      os << "]";
+    }
+    os << "}";
+  }
   os << "}";
   return os.str();
 }

@@ -3,9 +3,12 @@
 #include <torch/torch.h>
 #include <signal.h>
 
+#include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "dhp/core/device_memory.h"
+#include "dhp/core/op_profile.h"
 #include "dhp/core/log.h"
 #include "dhp/core/machine.h"
 #include "dhp/core/memory.h"
@@ -79,7 +82,16 @@ StepMetrics Trainer::train_step() {
     m.model_flops += training_flops(cfg_.model.config, mb, cfg_.model.freezing.encoder_frozen());
   }
   DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
+  const int64_t every = cfg_.training.profile_every;
+  std::optional<OpProfile> profile;
+  if (every > 0 && (step_ + 1) % every == 0) profile.emplace();
   const auto fb = parallel_->forward_backward(std::move(micro), static_cast<double>(m.target_tokens));
+  OpTimes ops;
+  if (profile) {
+    ops = profile->times();
+    profile.reset();
+  }
+  const double comm_before_update = dist::comm_stats().seconds;
   double loss_sum = fb.loss_sum;
   m.wait_s = fb.wait_s;
   m.lr = optim::lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
@@ -90,6 +102,7 @@ StepMetrics Trainer::train_step() {
     DHP_FAIL("step ", step_ + 1, ": ", e.what());
   }
   m.update_s = update_timer.seconds();
+  const double update_comm_s = dist::comm_stats().seconds - comm_before_update;
   loss_sum = parallel_->sum_over_job(loss_sum);
   ++step_;
   m.step = step_;
@@ -115,6 +128,17 @@ StepMetrics Trainer::train_step() {
     m.vision_s_per_rank.push_back(per_rank[kFigures * r + 4]);
     m.text_s_per_rank.push_back(per_rank[kFigures * r + 5]);
     m.update_s_per_rank.push_back(per_rank[kFigures * r + 6]);
+  }
+  if (every > 0 && step_ % every == 0) {  // the same on every rank: a collective
+    std::vector<double> parts = {ops.gemm_s, ops.attention_s, ops.elementwise_s, m.comm_s,
+                                 std::max(0.0, m.update_s - update_comm_s), m.samples_s};
+    double known = 0;
+    for (auto x : parts) known += x;
+    parts.push_back(std::max(0.0, m.step_time_s - known));
+    const auto all = parallel_->gather_over_job(parts);
+    m.breakdown_per_rank.assign(kBreakdownCount, {});
+    for (size_t r = 0; r < all.size() / kBreakdownCount; ++r)
+      for (size_t k = 0; k < kBreakdownCount; ++k) m.breakdown_per_rank[k].push_back(all[kBreakdownCount * r + k]);
   }
   return m;
 }
