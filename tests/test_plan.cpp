@@ -624,6 +624,36 @@ TEST(PlanValidate, ErrorsTiesAndPairOrder) {
   EXPECT_NE(r.table.find("2.000 [1.010-2.200]"), std::string::npos) << r.table;
 }
 
+// A `--point NAME:KEYS` row is validated as the named combination its keys set, with
+// parallel.overlap as they set it (bench/overlap.sh's rows); one setting neither is listed.
+TEST(PlanValidate, PointRowsAreEstimatedAsTheirKeysSay) {
+  AgainstSetup setup("plan_validate_points");
+  auto& dir = setup.dir;
+  auto c = setup.c;
+  c.overlap_hidden = 0.5;
+  const auto& cfg = setup.cfg;
+  const auto& w = setup.w;
+  const auto path = (dir.path() / "results.json").string();
+  auto row = [](const char* name, const char* sets) {
+    return std::string("{\"strategy\": \"") + name +
+           "\", \"vision_tokens\": 256, \"batch_size\": 4, \"oom\": false, \"step_time_s\": 1.0, "
+           "\"peak_bytes_per_rank\": [1e8, 1e8], \"sets\": [" + sets + "]}";
+  };
+  std::ofstream(path) << "{\"settings\": {\"nproc\": 2, \"memory_limit\": \"\", \"batch_sizes\": [4]}, \"points\": ["
+                      << row("dp_overlap", "\"parallel.strategy=dp\", \"parallel.bucket_mb=4\"") << ", "
+                      << row("dp_end", "\"parallel.strategy=dp\", \"parallel.overlap=false\"") << ", "
+                      << row("mine", "\"parallel.strategy=custom\"") << "]}\n";
+  const auto v = validate(cfg.model.config, c, w, path);
+  ASSERT_EQ(v.rows.size(), 2u);
+  auto dp = named_plan("dp", 2);
+  EXPECT_DOUBLE_EQ(v.rows[0].predicted_s, estimate(cfg.model.config, c, w, dp).step_s);
+  dp.overlap = false;
+  EXPECT_DOUBLE_EQ(v.rows[1].predicted_s, estimate(cfg.model.config, c, w, dp).step_s);
+  EXPECT_LT(v.rows[0].predicted_s, v.rows[1].predicted_s);  // the overlap hides some of the all-reduce
+  ASSERT_EQ(v.not_validated.size(), 1u);
+  EXPECT_EQ(v.not_validated[0], "mine at 256 patches");
+}
+
 // An `auto` row of a sweep is validated as the layout it recorded choosing (its pinned keys:
 // strategies, ranks, degrees, micro-batches); one that recorded nothing is listed as not validated.
 TEST(PlanValidate, AutoRowsAreEstimatedAsTheirRecordedChoice) {

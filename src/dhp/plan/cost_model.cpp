@@ -706,7 +706,8 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
     return e;
   };
   if (auto why = infeasible(m, c, w, plan); !why.empty()) return fail(why);
-  const Conventions cv = conventions(plan.conventions);
+  Conventions cv = conventions(plan.conventions);
+  cv.overlap = cv.overlap && plan.overlap;
   std::string why;
   e.vision = vision_cost(m, c, w, plan.vision, cv, why);
   if (!why.empty()) return fail(why);

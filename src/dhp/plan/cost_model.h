@@ -163,11 +163,12 @@ struct Plan {
   ModuleStrategy vision, text;
   bool disjoint = false;       // modules on separate ranks (pipelined) or on the same ones (one after the other)
   std::string conventions = "dhp";
+  bool overlap = true;         // parallel.overlap (false: every collective waited for where it is issued)
   std::string describe() const;
 };
 
 // Named plans on `devices` ranks, colocated: dhp (vision sp + text tp), tp (both tp),
-// zero3 (both zero3).
+// zero3 (both zero3), dp (both data-parallel).
 Plan named_plan(const std::string& name, int64_t devices);
 
 struct ModuleCost {

@@ -154,8 +154,11 @@ Plan named_plan(const std::string& name, int64_t devices) {
   } else if (name == "zero3") {
     p.vision = {S::kZero3, 1, devices};
     p.text = {S::kZero3, 1, devices};
+  } else if (name == "dp") {
+    p.vision = {S::kDataParallel, 1, devices};
+    p.text = {S::kDataParallel, 1, devices};
   } else {
-    DHP_FAIL("unknown named plan '", name, "'; known: dhp, tp, zero3");
+    DHP_FAIL("unknown named plan '", name, "'; known: dhp, tp, zero3, dp");
   }
   return p;
 }

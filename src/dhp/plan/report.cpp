@@ -323,17 +323,29 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     w.micro_batches = 1;
     // A named strategy, or an `auto` row's recorded choice; a row with neither (the planner
     // found nothing to run) is listed, not validated.
+    // A `--point NAME:...` row is estimated as the named combination its keys set
+    // (parallel.strategy=dhp|tp|zero3|dp), with parallel.overlap as they set it.
+    std::string named = r.strategy;
+    bool overlap = true;
+    if (const auto* row_sets = p.find("sets")) {
+      for (const auto& e : row_sets->elements(what + " sets")) {
+        const auto kv = e.str(what + " sets");
+        if (kv.rfind("parallel.strategy=", 0) == 0) named = kv.substr(18);
+        if (kv == "parallel.overlap=false") overlap = false;
+      }
+    }
     Plan plan;
     if (const auto* chosen = p.find("chosen_sets")) {
       std::vector<std::string> sets;
       for (const auto& e : chosen->elements(what + " chosen_sets")) sets.push_back(e.str(what + " chosen_sets"));
       plan = plan_from_sets(sets, what + " " + r.strategy, w.micro_batches);
-    } else if (r.strategy == "dhp" || r.strategy == "tp" || r.strategy == "zero3") {
-      plan = named_plan(r.strategy, nproc);
+    } else if (named == "dhp" || named == "tp" || named == "zero3" || named == "dp") {
+      plan = named_plan(named, nproc);
     } else {
       v.not_validated.push_back(r.strategy + " at " + std::to_string(r.vision_tokens) + " patches");
       continue;
     }
+    plan.overlap = overlap;
     if (r.measured_oom) {
       // Nothing ran: does the model agree that no batch tried runs? Shown: the smallest batch
       // the plan can run at all (a replica needs a sample) and its predicted memory.
