@@ -84,14 +84,17 @@ StepMetrics Trainer::train_step() {
   DHP_CHECK(m.target_tokens > 0, "step ", step_, ": the global batch has no answer tokens");
   const int64_t every = cfg_.training.profile_every;
   std::optional<OpProfile> profile;
-  if (every > 0 && (step_ + 1) % every == 0) profile.emplace();
+  const bool profile_step = every > 0 && (step_ + 1) % every == 0;  // the same on every rank
+  if (profile_step) profile.emplace();
   const auto fb = parallel_->forward_backward(std::move(micro), static_cast<double>(m.target_tokens));
   OpTimes ops;
   if (profile) {
     ops = profile->times();
     profile.reset();
   }
-  const double comm_before_update = dist::comm_stats().seconds;
+  // Only a profiled step reads the collectives' time around the update: on CUDA a read
+  // synchronizes the host with the events of the collectives so far.
+  const double comm_before_update = profile_step ? dist::comm_stats().seconds : 0;
   double loss_sum = fb.loss_sum;
   m.wait_s = fb.wait_s;
   m.lr = optim::lr_at(step_, cfg_.training.steps, cfg_.training.warmup_steps, cfg_.training.lr, cfg_.training.min_lr);
@@ -102,7 +105,7 @@ StepMetrics Trainer::train_step() {
     DHP_FAIL("step ", step_ + 1, ": ", e.what());
   }
   m.update_s = update_timer.seconds();
-  const double update_comm_s = dist::comm_stats().seconds - comm_before_update;
+  const double update_comm_s = profile_step ? dist::comm_stats().seconds - comm_before_update : 0;
   loss_sum = parallel_->sum_over_job(loss_sum);
   ++step_;
   m.step = step_;
@@ -129,7 +132,7 @@ StepMetrics Trainer::train_step() {
     m.text_s_per_rank.push_back(per_rank[kFigures * r + 5]);
     m.update_s_per_rank.push_back(per_rank[kFigures * r + 6]);
   }
-  if (every > 0 && step_ % every == 0) {  // the same on every rank: a collective
+  if (profile_step) {  // a collective
     std::vector<double> parts = {ops.gemm_s, ops.attention_s, ops.elementwise_s, m.comm_s,
                                  std::max(0.0, m.update_s - update_comm_s), m.samples_s};
     double known = 0;
