@@ -392,6 +392,33 @@ TEST(PlanEstimate, StatesShardAndTensorParallelReplicatesElementwiseWork) {
   EXPECT_GT(fast.memory_bytes, sp.memory_bytes);
 }
 
+// A clip: Qwen's tower attends within each temporal patch (its windows and its full-attention
+// layers alike), so a clip of 4 temporal patches of 16 x 16 patches costs the vision tower what
+// 4 images of 16 x 16 cost, and its full attention a quarter of one 32 x 32 image's.
+TEST(PlanEstimate, AClipAttendsWithinEachTemporalPatch) {
+  const auto m = dhp::qwen::preset("qwen2.5-vl-7b");
+  const auto c = cluster_preset("h100x8");
+  const auto plan = named_plan("zero3", 8);
+  Workload clip = reference_workload(1024, 8);
+  clip.temporal_patches = 4;
+  EXPECT_EQ(clip.grid(), (std::pair<int64_t, int64_t>{16, 16}));
+  Workload frames = reference_workload(256, 32);
+  Workload image = reference_workload(1024, 8);
+  const auto ec = estimate(m, c, clip, plan), ef = estimate(m, c, frames, plan), ei = estimate(m, c, image, plan);
+  ASSERT_TRUE(ec.fits && ef.fits && ei.fits) << ec.reason << ef.reason << ei.reason;
+  EXPECT_NEAR(ec.vision.attention_s, ef.vision.attention_s, 1e-12 * ef.vision.attention_s);
+  EXPECT_NEAR(ec.vision.gemm_s, ef.vision.gemm_s, 1e-12 * ef.vision.gemm_s);
+  EXPECT_NEAR(ec.vision.flops, ef.vision.flops, 1e-12 * ef.vision.flops);
+  EXPECT_DOUBLE_EQ(ec.vision.gemm_s, ei.vision.gemm_s);  // the same rows through the same linears
+  EXPECT_LT(ec.vision.attention_s, ei.vision.attention_s);
+  EXPECT_DOUBLE_EQ(ec.text.time_s(), ei.text.time_s());  // the decoder sees 256 merged tokens either way
+  EXPECT_EQ(clip_temporal_patches(m.vision, 0), 1);
+  EXPECT_EQ(clip_temporal_patches(m.vision, 8), 4);
+  EXPECT_EQ(clip_temporal_patches(m.vision, 7), 4);  // padded up to whole temporal patches
+  clip.vision_tokens = 1000;  // not 4 equal temporal patches of whole merge windows
+  EXPECT_THROW(clip.grid(), dhp::Error);
+}
+
 // Fine-tuning in the planner: a frozen vision encoder runs forward only (a quarter of the
 // checkpointed GEMM passes: forward, recompute, two backward), keeps no activations and holds
 // its parameters alone; the decoder is unchanged but for the embeddings' gradients it no
@@ -654,6 +681,23 @@ TEST(PlanValidate, PointRowsAreEstimatedAsTheirKeysSay) {
   EXPECT_EQ(v.not_validated[0], "mine at 256 patches");
 }
 
+// A row of a video sweep (dhp bench --frames) is costed as clips of its temporal patches.
+TEST(PlanValidate, ClipRowsAreCostedAsClips) {
+  AgainstSetup setup("plan_validate_clips");
+  const auto path = (setup.dir.path() / "results.json").string();
+  std::ofstream(path) << "{\"settings\": {\"nproc\": 2, \"memory_limit\": \"\", \"batch_sizes\": [4]}, \"points\": ["
+                      << "{\"strategy\": \"dp\", \"vision_tokens\": 256, \"frames\": 4, \"batch_size\": 4, "
+                         "\"oom\": false, \"step_time_s\": 1.0, \"peak_bytes_per_rank\": [1e8, 1e8]}]}\n";
+  const auto v = validate(setup.cfg.model.config, setup.c, setup.w, path);
+  ASSERT_EQ(v.rows.size(), 1u);
+  auto w = setup.w;
+  w.temporal_patches = 2;
+  const double clip = estimate(setup.cfg.model.config, setup.c, w, named_plan("dp", 2)).step_s;
+  EXPECT_DOUBLE_EQ(v.rows[0].predicted_s, clip);
+  w.temporal_patches = 1;
+  EXPECT_NE(v.rows[0].predicted_s, estimate(setup.cfg.model.config, setup.c, w, named_plan("dp", 2)).step_s);
+}
+
 // An `auto` row of a sweep is validated as the layout it recorded choosing (its pinned keys:
 // strategies, ranks, degrees, micro-batches); one that recorded nothing is listed as not validated.
 TEST(PlanValidate, AutoRowsAreEstimatedAsTheirRecordedChoice) {
@@ -723,6 +767,10 @@ TEST(PlanAuto, PicksALayoutTheRuntimeAcceptsAndFollowsTheMachine) {
   std::snprintf(predicted, sizeof(predicted), "predicted %.3f s/step", best);
   EXPECT_NE(why.find(predicted), std::string::npos) << why << " vs " << predicted;
   EXPECT_EQ(fast.training.micro_batches, best_mbs) << why;
+  // The moving task: auto plans for clips of data.frames frames.
+  std::string clip_why;
+  dhp::train::resolve_auto(auto_config({"data.frames=4"}), 2, &clip_why);
+  EXPECT_NE(clip_why.find("512 patches per clip (2 temporal patches of"), std::string::npos) << clip_why;
   const auto pinned = dhp::train::pinned_parallel_sets(fast);
   EXPECT_NE(std::find(pinned.begin(), pinned.end(), "training.micro_batches=" + std::to_string(best_mbs)),
             pinned.end());

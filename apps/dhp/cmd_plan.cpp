@@ -32,8 +32,8 @@ namespace {
 
 const char* const kPlanUsage =
     "usage: dhp plan [--model PRESET | --config FILE [--set KEY=VALUE]...] [--cluster SPEC]\n"
-    "                [--vision-tokens LIST] [--batch-sizes LIST] [--images N] [--text-tokens N]\n"
-    "                [--targets N] [--precision bf16|fp32] [--no-checkpointing] [--conventions dhp|reference]\n"
+    "                [--vision-tokens LIST] [--batch-sizes LIST] [--images N] [--frames N]\n"
+    "                [--text-tokens N] [--targets N] [--precision bf16|fp32] [--no-checkpointing] [--conventions dhp|reference]\n"
     "                [--strategies LIST] [--memory-per-device SIZE] [--top K] [--json FILE]\n"
     "                [--host-times FILE]\n"
     "       dhp plan --calibrate [--ranks N] [--threads N] [--out FILE]\n"
@@ -52,6 +52,9 @@ const char* const kPlanUsage =
     "  --vision-tokens LIST   patches per image (default 1024,4096)\n"
     "  --batch-sizes LIST     global batch sizes to try (default 1,2,4,8)\n"
     "  --images N             images per sample (default 1)\n"
+    "  --frames N             every image a clip of N frames (even): --vision-tokens then count\n"
+    "                         its patches over all its temporal patches, as dhp bench --frames does\n"
+    "                         (default: the config's data.frames, else 0: images)\n"
     "  --text-tokens N        text tokens per sample besides the image's (default 64)\n"
     "  --targets N            answer tokens with a loss per sample (default 32)\n"
     "  --precision P          bf16 (default) or fp32\n"
@@ -82,6 +85,7 @@ struct PlanArgs {
   plan::StudyOptions study;
   std::string model = "qwen2.5-vl-32b", cluster = "h100x8", json, memory, config, against, host_times;
   std::vector<std::string> sets;
+  int64_t frames = -1;  // -1: the config's data.frames (shapes), else images
   bool calibrate = false, help = false, text_given = false, precision_given = false, ckpt_given = false;
   bench::CalibrateOptions calibration;
 };
@@ -110,6 +114,9 @@ PlanArgs parse_plan_args(int argc, char** argv, int first) {
       a.study.batch_sizes = parse_int_list(f, next());
     } else if (f == "--images") {
       a.study.workload.images_per_sample = parse_int(f, next());
+    } else if (f == "--frames") {
+      a.frames = parse_int(f, next());
+      DHP_CHECK(a.frames >= 0 && a.frames % 2 == 0, "--frames ", a.frames, " must be an even number >= 0 (0: images)");
     } else if (f == "--text-tokens") {
       a.study.workload.text_tokens = parse_int(f, next());
       a.text_given = true;
@@ -195,6 +202,8 @@ int cmd_plan(int argc, char** argv, int first) {
   } else {
     m = dhp::qwen::preset(a.model);
   }
+  const int64_t frames = a.frames >= 0 ? a.frames : cfg && cfg->data.dataset == "shapes" ? cfg->data.frames : 0;
+  o.workload.temporal_patches = dhp::plan::clip_temporal_patches(m.vision, frames);
   auto c = dhp::plan::cluster_preset(a.cluster);
   if (cfg) dhp::train::apply_runtime(*cfg, c, o.workload);
   if (!a.host_times.empty()) {

@@ -18,6 +18,7 @@
 #include "dhp/bench/report.h"
 #include "dhp/core/error.h"
 #include "dhp/core/machine.h"
+#include "dhp/plan/cost_model.h"
 #include "dhp/train/auto_plan.h"
 #include "dhp/train/config.h"
 #include "dhp/train/metrics.h"
@@ -300,11 +301,11 @@ void keep_median_round(PointResult& r, const std::vector<RunMetrics>& rounds) {
 namespace {
 
 // The point at one vision length, before any try: its keys and sizes.
-PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t side, int64_t temporal_patch) {
+PointResult make_point(const Options& o, const Point& p, int64_t tokens, int64_t side, const qwen::VisionConfig& vc) {
   PointResult r;
   r.name = p.name;
   r.frames = o.frames;
-  r.vision_tokens = o.frames > 0 ? tokens * ((o.frames + temporal_patch - 1) / temporal_patch) : tokens;
+  r.vision_tokens = tokens * plan::clip_temporal_patches(vc, o.frames);
   r.image_side = side;
   if (o.mixed_max_side > 0) {
     r.vision_tokens = 0;
@@ -495,7 +496,7 @@ std::vector<PointResult> run(const Options& o) {
   Progress progress(o.points.size() * lengths.size() * static_cast<size_t>(o.repeats));
   for (const auto& p : o.points) {
     for (size_t v = 0; v < lengths.size(); ++v) {
-      auto r = make_point(o, p, lengths[v], sides[v], vc.temporal_patch_size);
+      auto r = make_point(o, p, lengths[v], sides[v], vc);
       const std::string what = describe_point(r) + (o.repeats > 1 ? ", round 1" : "");
       search_batch(batches, [&](int64_t b) { return try_batch(o, r, b, progress.line(what)); }, r);
       progress.job_done();

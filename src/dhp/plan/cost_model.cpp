@@ -270,10 +270,14 @@ std::string fmt_gib(double b) {
 // Formulas
 
 std::pair<int64_t, int64_t> Workload::grid() const {
-  DHP_CHECK(vision_tokens >= 4 && vision_tokens % 4 == 0, "vision tokens per image must be a positive multiple of 4 ",
-            "(2x2 merge), got ", vision_tokens);
+  DHP_CHECK(temporal_patches >= 1, "temporal patches per clip must be at least 1, got ", temporal_patches);
+  DHP_CHECK(vision_tokens % temporal_patches == 0, "vision tokens per clip (", vision_tokens,
+            ") must divide into its ", temporal_patches, " temporal patches");
+  const int64_t frame = vision_tokens / temporal_patches;
+  DHP_CHECK(frame >= 4 && frame % 4 == 0, "vision tokens per image", temporal_patches > 1 ? " (temporal patch)" : "",
+            " must be a positive multiple of 4 (2x2 merge), got ", frame);
   // The squarest grid with even sides: h = largest even divisor <= sqrt.
-  const int64_t units = vision_tokens / 4;
+  const int64_t units = frame / 4;
   int64_t best = 1;
   for (int64_t a = 1; a * a <= units; ++a) {
     if (units % a == 0) best = a;
@@ -358,6 +362,11 @@ double all_to_all_seconds(const Link& l, int64_t n, double bytes) {
   return l.latency_s + static_cast<double>(n - 1) / static_cast<double>(n) * bytes / l.a2a();
 }
 
+int64_t clip_temporal_patches(const qwen::VisionConfig& v, int64_t frames) {
+  DHP_CHECK(frames >= 0, "frames per clip must be >= 0 (0: images), got ", frames);
+  return frames == 0 ? 1 : (frames + v.temporal_patch_size - 1) / v.temporal_patch_size;
+}
+
 double vision_image_flops(const qwen::VisionConfig& v, int64_t gh, int64_t gw) {
   std::vector<int64_t> index, cu;
   qwen::window_index({{1, gh, gw}}, v, index, cu);
@@ -398,7 +407,9 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   const auto& v = model.vision;
   const Shape sh = shape_of(s);
   const auto [gh, gw] = w.grid();
-  const double N = static_cast<double>(gh * gw), h = static_cast<double>(v.hidden_size);
+  // N: patches of one attention segment (an image, or one temporal patch of a clip of T).
+  const double N = static_cast<double>(gh * gw), T = static_cast<double>(w.temporal_patches);
+  const double h = static_cast<double>(v.hidden_size);
   const double I = static_cast<double>(v.intermediate_size), out = static_cast<double>(v.out_hidden_size);
   const double unit = static_cast<double>(v.spatial_merge_size * v.spatial_merge_size);
   const double hd = static_cast<double>(v.head_dim()), heads = static_cast<double>(v.num_heads);
@@ -412,13 +423,13 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   }
   std::vector<int64_t> index, cu;
   qwen::window_index({{1, gh, gw}}, v, index, cu);
-  const double windows = static_cast<double>(cu.size() - 1);
+  const double windows = T * static_cast<double>(cu.size() - 1);
   if (s.kind == S::kSequenceParallel && windows * images_mb < static_cast<double>(s.degree)) {
     why = "vision sp" + std::to_string(s.degree) + ": only " + std::to_string(static_cast<int64_t>(windows * images_mb)) +
           " attention windows per replica and micro-batch to split";
     return cost;
   }
-  const double M = images_mb * N / static_cast<double>(sh.share);  // patch rows on this rank
+  const double M = images_mb * T * N / static_cast<double>(sh.share);  // patch rows on this rank
   const double t = static_cast<double>(sh.t);
   // dhp's ZeRO-3 recomputes every unit in backward, checkpointing or not.
   const bool recompute = w.checkpointing || (s.kind == S::kZero3 && cv.zero3_units);
@@ -441,7 +452,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   const double full_rate = attention_rate(c, w.precision, N);
   for (size_t i = 0; i + 1 < cu.size(); ++i) {
     const double len = static_cast<double>(cu[i + 1] - cu[i]);
-    window_padded += attention_pairs(c, len, false) * full_rate / attention_rate(c, w.precision, len);
+    window_padded += T * attention_pairs(c, len, false) * full_rate / attention_rate(c, w.precision, len);
   }
   const std::set<int64_t> full(v.fullatt_block_indexes.begin(), v.fullatt_block_indexes.end());
   const double attn_share = static_cast<double>(sh.t * sh.share);  // heads (tp, sp) or windows (sp) split
@@ -460,7 +471,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
       tl.gemm(M, I / t, h);
       tl.gemm(M, I / t, h);
       tl.gemm(M, h, I / t);
-      const double pairs = full.count(l) ? attention_pairs(c, N, false) : window_padded;
+      const double pairs = full.count(l) ? T * attention_pairs(c, N, false) : window_padded;
       tl.attention(4 * hd * heads * pairs * images_mb / attn_share, N);
       // Norms and residuals (10h per token) run on every tensor-parallel rank; rotary (4h) and
       // the SwiGLU product (3I) are split.
@@ -504,7 +515,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "vision", s, v.depth, w);
-  cost.flops = (fz.encoder_frozen() ? 1 : 3) * vision_image_flops(v, gh, gw) * static_cast<double>(images_step);
+  cost.flops = (fz.encoder_frozen() ? 1 : 3) * vision_image_flops(v, gh, gw) * T * static_cast<double>(images_step);
   // Memory.
   cost.state_bytes = module_state_bytes(cv, s, pc, pt, w.precision);
   const double per_token_layer = b * (4 * h + (2 * h + 2 * h + 3 * I) / t);  // one block's saved tensors

@@ -96,6 +96,11 @@ std::vector<std::string> cluster_preset_names();
 struct Workload {
   int64_t vision_tokens = 1024;     // patches per image (before the 2x2 merge); a square grid when possible
   int64_t images_per_sample = 1;
+  // > 1: each image is a clip of this many temporal patches (frames / temporal_patch_size),
+  // vision_tokens its patches over all of them; Qwen's tower attends within each temporal
+  // patch (its windows and its full-attention layers), so a clip costs as that many images
+  // of vision_tokens / temporal_patches patches in attention and as one sample elsewhere.
+  int64_t temporal_patches = 1;
   int64_t text_tokens = 64;         // text tokens per sample besides the image tokens (prompt, template, answer)
   int64_t target_tokens = 32;       // tokens per sample with a loss (the answer)
   int64_t batch_size = 8;           // global samples per step
@@ -113,7 +118,8 @@ struct Workload {
   // LoRA (lora.*): the adapters' parameters train (gradients, state, reductions); their
   // FLOPs (rank << width) are not counted. Their base weights are frozen (freezing.adapted).
   qwen::LoraSpec lora;
-  // Patch grid (h, w) of one image: the squarest even-sided grid of vision_tokens patches.
+  // Patch grid (h, w) of one image or one temporal patch of a clip: the squarest even-sided
+  // grid of vision_tokens / temporal_patches patches.
   std::pair<int64_t, int64_t> grid() const;
   int64_t tokens_per_sample(int64_t merge) const;  // text sequence length of one sample
 };
@@ -225,6 +231,9 @@ std::vector<Estimate> search(const qwen::ModelConfig& m, const Cluster& c, const
 // recomputation); 0 when cv is not eager or c has no measurement for it.
 double eager_host_seconds(const Cluster& c, const Conventions& cv, const std::string& module, const ModuleStrategy& s,
                           int64_t layers, const Workload& w);
+// Temporal patches of a clip of `frames` frames (0: an image, 1): frames padded up to whole
+// temporal patches of v.temporal_patch_size, as Qwen's processor pads them.
+int64_t clip_temporal_patches(const qwen::VisionConfig& v, int64_t frames);
 // Parameters of one vision block / text layer.
 int64_t vision_block_params(const qwen::VisionConfig& v);
 int64_t text_layer_params(const qwen::TextConfig& t);

@@ -183,7 +183,9 @@ std::string study_table(const std::string& model, const Cluster& c, const StudyO
   std::ostringstream os;
   const auto& w = o.workload;
   os << "dhp plan: " << model << " on " << c.name << " (" << c.devices() << "x " << c.device << "), " << w.precision
-     << (w.checkpointing ? ", activation checkpointing" : "") << ", " << w.images_per_sample << " image(s) + "
+     << (w.checkpointing ? ", activation checkpointing" : "") << ", " << w.images_per_sample
+     << (w.temporal_patches > 1 ? " clip(s) of " + std::to_string(w.temporal_patches) + " temporal patches" : std::string(" image(s)"))
+     << " + "
      << w.text_tokens << " text tokens per sample, conventions " << o.conventions << "\n";
   os << "predicted throughput = patches per image x batch / step time; (batch) = the largest of the batch sizes that "
         "fits; memory = the fullest device of "
@@ -259,6 +261,7 @@ std::string study_json(const std::string& model, const Cluster& c, const StudyOp
   root.set("cluster", cl);
   io::Json wl = io::Json::object();
   wl.set("images_per_sample", io::Json(o.workload.images_per_sample));
+  wl.set("temporal_patches", io::Json(o.workload.temporal_patches));
   wl.set("text_tokens", io::Json(o.workload.text_tokens));
   wl.set("target_tokens", io::Json(o.workload.target_tokens));
   wl.set("precision", io::Json(o.workload.precision));
@@ -320,6 +323,9 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     r.measured_oom = p.at("oom", what).boolean(what + " oom");
     Workload w = base;
     w.vision_tokens = r.vision_tokens;
+    if (const auto* frames = p.find("frames")) {  // a clip's patches, over its temporal patches
+      w.temporal_patches = clip_temporal_patches(m.vision, frames->integer(what + " frames"));
+    }
     w.micro_batches = 1;
     // A named strategy, or an `auto` row's recorded choice; a row with neither (the planner
     // found nothing to run) is listed, not validated.

@@ -79,7 +79,9 @@ plan::Workload auto_workload(const Config& cfg, int64_t& side) {
     side = unit * std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(cfg.data.max_pixels))) / unit);
   }
   const int64_t patches_side = side / m.vision.patch_size;
-  w.vision_tokens = patches_side * patches_side;
+  // The moving task: a clip of data.frames frames of that side.
+  w.temporal_patches = cfg.data.dataset == "shapes" ? plan::clip_temporal_patches(m.vision, cfg.data.frames) : 1;
+  w.vision_tokens = patches_side * patches_side * w.temporal_patches;
   w.batch_size = cfg.data.pack_tokens > 0 ? std::max<int64_t>(1, cfg.data.pack_tokens / std::max<int64_t>(1, w.tokens_per_sample(m.vision.spatial_merge_size))) * cfg.training.micro_batches
                                           : cfg.data.batch_size;
   w.micro_batches = cfg.training.micro_batches;
@@ -126,8 +128,10 @@ std::string explain(const plan::Estimate& e, const std::vector<plan::Estimate>& 
   }
   if (rejected) why += "\n  " + std::to_string(rejected) + " plan(s) rejected: " + reasons;
   if (!refused.empty()) why += "\n  skipped (the runtime refused): " + refused;
-  std::snprintf(line, sizeof(line), "\n  workload: %lld patches per image (%lld px), %lld text tokens, batch %lld, %s%s",
-                static_cast<long long>(w.vision_tokens), static_cast<long long>(side),
+  const std::string per = w.temporal_patches > 1 ? "clip (" + std::to_string(w.temporal_patches) + " temporal patches of"
+                                                 : "image (";
+  std::snprintf(line, sizeof(line), "\n  workload: %lld patches per %s %lld px), %lld text tokens, batch %lld, %s%s",
+                static_cast<long long>(w.vision_tokens), per.c_str(), static_cast<long long>(side),
                 static_cast<long long>(w.text_tokens), static_cast<long long>(w.batch_size), w.precision.c_str(),
                 w.checkpointing ? ", activation checkpointing" : "");
   return why + line;
