@@ -76,18 +76,21 @@ struct Chain {
 
 // DP all-reduce buckets over `g`, two parameters (one linear) each; counts the starts.
 dhp::parallel::GradReducer make_reducer(Chain& c, const dhp::dist::Group& g, bool overlap,
-                                        std::vector<size_t>* order = nullptr) {
+                                        std::vector<size_t>* order = nullptr, int64_t in_flight = 2,
+                                        std::vector<std::string>* events = nullptr) {
   std::vector<std::pair<size_t, size_t>> runs;
   for (size_t i = 0; i < c.params.size(); i += 2) runs.emplace_back(i, i + 2);
   auto ps = c.params;
-  auto start = [ps, runs, &g, order](size_t b) {
+  auto start = [ps, runs, &g, order, events](size_t b) {
     if (order) order->push_back(b);
+    if (events) events->push_back("s" + std::to_string(b));
     std::vector<torch::Tensor> parts;
     for (size_t i = runs[b].first; i < runs[b].second; ++i)
       parts.push_back(ps[i].grad().defined() ? ps[i].grad().reshape({-1}) : torch::zeros({ps[i].numel()}));
     return g.start_all_reduce_sum(torch::cat(parts));
   };
-  auto land = [ps, runs](size_t b, dhp::dist::Work& w) {
+  auto land = [ps, runs, events](size_t b, dhp::dist::Work& w) {
+    if (events) events->push_back("l" + std::to_string(b));
     auto flat = w.wait();
     int64_t off = 0;
     for (size_t i = runs[b].first; i < runs[b].second; ++i) {
@@ -96,7 +99,7 @@ dhp::parallel::GradReducer make_reducer(Chain& c, const dhp::dist::Group& g, boo
       off += p.numel();
     }
   };
-  return dhp::parallel::GradReducer(c.params, c.names, runs, start, land, overlap);
+  return dhp::parallel::GradReducer(c.params, c.names, runs, start, land, overlap, in_flight);
 }
 
 // Rank 1 runs no backward at step `idle_step` (a replica without input).
@@ -139,6 +142,43 @@ TEST(Overlap, ARankWithoutBackwardStartsEveryBucketAtTheEnd) {
     const auto at_end = train(r, g, false, 2);
     EXPECT_EQ(early.back() - early[1], r == 0 ? 4 : 0);  // rank 1 had nothing to start during step 3
     for (size_t i = 0; i < at_end.size(); ++i) EXPECT_TRUE(torch::equal(overlapped[i], at_end[i])) << i;
+  });
+}
+
+// parallel.buckets_in_flight: a bucket starts only after the one in_flight before it landed
+// (each holds its flat copies until then); the sums are the same whatever the bound.
+TEST(Overlap, AtMostInFlightBucketsAreStartedAndNotLanded) {
+  run_ranks(2, [](int64_t r, const dhp::dist::Store& store) {
+    dhp::dist::Group g(store, "g", {0, 1}, r, kTestTimeout);
+    auto run = [&](bool overlap, int64_t in_flight, std::vector<std::string>* events, int64_t* most) {
+      Chain c;
+      auto red = make_reducer(c, g, overlap, nullptr, in_flight, events);
+      for (int s = 0; s < 3; ++s) {
+        if (events) events->clear();
+        c.zero_grad();
+        red.arm();
+        c.loss(r, s).backward();
+        red.finish();
+        torch::NoGradGuard no_grad;
+        for (auto& p : c.params) p.sub_(0.1 * p.grad());
+      }
+      *most = red.most_in_flight();
+      return c.params;
+    };
+    int64_t most = 0;
+    std::vector<std::string> events;
+    const auto reference = run(false, 8, nullptr, &most);
+    EXPECT_EQ(most, 4);  // every bucket at once
+    for (const bool overlap : {false, true}) {
+      for (const int64_t in_flight : {1, 2}) {
+        const auto got = run(overlap, in_flight, &events, &most);
+        EXPECT_EQ(most, in_flight) << overlap;
+        for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], reference[i])) << i;
+        if (in_flight == 2) {  // the last step: from the last bucket, each start after the landing two before
+          EXPECT_EQ(events, (std::vector<std::string>{"s3", "s2", "l3", "s1", "l2", "s0", "l1", "l0"})) << overlap;
+        }
+      }
+    }
   });
 }
 

@@ -392,6 +392,44 @@ TEST(PlanEstimate, StatesShardAndTensorParallelReplicatesElementwiseWork) {
   EXPECT_GT(fast.memory_bytes, sp.memory_bytes);
 }
 
+// The gradient reduction's buckets in flight are memory: a flat copy each (and on Gloo an fp32
+// one of bf16 gradients: 3x), at most parallel.buckets_in_flight of parallel.bucket_mb, at most
+// the rank's gradients; ZeRO-1's reduce-scatter holds the flat copy and what it receives (2x);
+// tp without replicas reduces nothing. Overlapped, the text's buckets are alive during the
+// vision's backward; at the end, one module's after the other's.
+TEST(PlanEstimate, ReductionBucketsInFlightAreMemory) {
+  const auto m = dhp::qwen::preset("qwen2.5-vl-7b");
+  auto c = cluster_preset("h100x8");
+  c.half_all_reduce_in_fp32 = true;  // Gloo
+  Workload w = reference_workload(1024, 8);
+  const double tp_shard = static_cast<double>(dhp::qwen::count_parameters(m).text) / 4;
+  auto plan = named_plan("dp", 8);
+  plan.vision = {dhp::dist::Strategy::kSequenceParallel, 8, 1};
+  plan.text = {dhp::dist::Strategy::kTensorParallel, 4, 2};
+  const auto e = estimate(m, c, w, plan);
+  const double in_flight = 2 * 25.0 * (1 << 20);
+  EXPECT_DOUBLE_EQ(e.text.reduce_bytes, 3 * std::min(2 * tp_shard, in_flight));
+  EXPECT_DOUBLE_EQ(e.vision.reduce_bytes,
+                   2 * std::min(2.0 * static_cast<double>(dhp::qwen::count_parameters(m).vision), in_flight));
+  w.reduce_buckets_in_flight = 1;
+  w.reduce_bucket_bytes = 1 << 20;
+  EXPECT_DOUBLE_EQ(estimate(m, c, w, plan).text.reduce_bytes, 3.0 * (1 << 20));
+  EXPECT_EQ(estimate(m, c, w, named_plan("tp", 8)).text.reduce_bytes, 0);  // one replica: nothing to reduce
+  c.half_all_reduce_in_fp32 = false;
+  EXPECT_DOUBLE_EQ(estimate(m, c, w, plan).text.reduce_bytes, 1.0 * (1 << 20));
+  // Colocated, overlapped: the text's buckets and the vision's during the vision's backward.
+  w = reference_workload(1024, 8);
+  c.half_all_reduce_in_fp32 = true;
+  const double others = e.vision.state_bytes + e.text.state_bytes + e.vision.activation_bytes + e.text.activation_bytes;
+  EXPECT_DOUBLE_EQ(e.memory_bytes - others,
+                   std::max(e.text.working_bytes + e.text.logits_bytes + e.text.reduce_bytes,
+                            e.vision.working_bytes + e.text.reduce_bytes + e.vision.reduce_bytes));
+  plan.overlap = false;
+  const auto end = estimate(m, c, w, plan);
+  EXPECT_DOUBLE_EQ(end.memory_bytes - others, std::max({e.text.working_bytes + e.text.logits_bytes, e.vision.working_bytes,
+                                                        e.text.reduce_bytes}));
+}
+
 // A clip: Qwen's tower attends within each temporal patch (its windows and its full-attention
 // layers alike), so a clip of 4 temporal patches of 16 x 16 patches costs the vision tower what
 // 4 images of 16 x 16 cost, and its full attention a quarter of one 32 x 32 image's.

@@ -78,7 +78,8 @@ struct GradReducer::Hook : torch::autograd::FunctionPostHook {
 };
 
 GradReducer::GradReducer(std::vector<torch::Tensor> params, std::vector<std::string> names,
-                         std::vector<std::pair<size_t, size_t>> buckets, Start start, Land land, bool overlap)
+                         std::vector<std::pair<size_t, size_t>> buckets, Start start, Land land, bool overlap,
+                         int64_t in_flight)
     : params_(std::move(params)),
       names_(std::move(names)),
       buckets_(std::move(buckets)),
@@ -86,9 +87,11 @@ GradReducer::GradReducer(std::vector<torch::Tensor> params, std::vector<std::str
       start_(std::move(start)),
       land_(std::move(land)),
       overlap_(overlap),
+      in_flight_(in_flight),
       fires_(params_.size(), 0),
       missing_(buckets_.size(), 0) {
   TORCH_INTERNAL_ASSERT(names_.size() == params_.size());
+  DHP_CHECK(in_flight_ >= 1, "GradReducer: buckets in flight must be >= 1, got ", in_flight_);
   size_t covered = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     TORCH_INTERNAL_ASSERT(buckets_[b].first == covered && buckets_[b].second > covered, "buckets must tile the parameters");
@@ -134,16 +137,26 @@ void GradReducer::ready(size_t i) {
 
 void GradReducer::start_next() {
   torch::NoGradGuard no_grad;
+  if (static_cast<int64_t>(next_ - landed_) >= in_flight_) land_next();
   works_.push_back(start_(bucket_at(next_)));
   ++next_;
   ++total_;
+  most_in_flight_ = std::max(most_in_flight_, static_cast<int64_t>(next_ - landed_));
+}
+
+void GradReducer::land_next() {
+  torch::NoGradGuard no_grad;
+  land_(bucket_at(landed_), works_[landed_]);
+  works_[landed_] = dist::Work();  // its buffers go now
+  ++landed_;
 }
 
 void GradReducer::finish() {
   while (next_ < buckets_.size()) start_next();
-  for (size_t k = 0; k < works_.size(); ++k) land_(bucket_at(k), works_[k]);
+  while (landed_ < next_) land_next();
   works_.clear();
   next_ = 0;
+  landed_ = 0;
   if (armed_ && overlap_ && !verified_ && !twice_) {
     bool any = false;
     for (auto f : fires_) {

@@ -48,30 +48,36 @@ class GradReducer {
  public:
   // start(b): starts bucket b's reduction (its parameters' .grad as they are; undefined is
   // zero). land(b, work): waits for it and puts the result where it belongs. `names` name
-  // the parameters in errors.
+  // the parameters in errors. At most `in_flight` buckets are started and not landed: the
+  // next one starts after the oldest landed (their buffers are what a reduction holds).
   using Start = std::function<dist::Work(size_t bucket)>;
   using Land = std::function<void(size_t bucket, dist::Work& work)>;
   GradReducer(std::vector<torch::Tensor> params, std::vector<std::string> names,
-              std::vector<std::pair<size_t, size_t>> buckets, Start start, Land land, bool overlap);
+              std::vector<std::pair<size_t, size_t>> buckets, Start start, Land land, bool overlap,
+              int64_t in_flight = 2);
   ~GradReducer();
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
   // The next backward is the step's last for these parameters: buckets may start during it.
   void arm();
-  // Starts every bucket not started yet, in order, then waits for all and lands them.
+  // Starts every bucket not started yet, in order, and lands them all (at most in_flight
+  // apart).
   // Collective over the reducing group.
   void finish();
   // Buckets started during backward over all finish() calls so far, and in all.
   int64_t started_early() const { return early_; }
   int64_t started() const { return total_; }
+  // The most buckets in flight at once so far.
+  int64_t most_in_flight() const { return most_in_flight_; }
   // True once buckets may start during backward (overlap asked and a clean backward seen).
   bool overlapping() const { return verified_; }
 
  private:
   struct Hook;
   void ready(size_t param);      // param's gradient was just accumulated
-  void start_next();             // the next bucket in order
+  void start_next();             // the next bucket in order (after landing the oldest when full)
+  void land_next();              // the oldest bucket in flight
   size_t bucket_at(size_t k) const;  // the k-th bucket to start: from the last
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
@@ -83,6 +89,8 @@ class GradReducer {
   std::vector<int64_t> fires_;        // gradients accumulated per parameter in the armed backward
   std::vector<int64_t> missing_;      // per bucket: its parameters with no gradient yet
   size_t next_ = 0;                   // buckets started so far (from the last)
+  size_t landed_ = 0;                 // of them, landed
+  int64_t in_flight_ = 2, most_in_flight_ = 0;
   std::vector<dist::Work> works_;     // by start order
   std::string late_;                  // a parameter whose gradient came after its bucket started
   std::vector<std::shared_ptr<void>> accumulators_;  // kept alive: the hooks live on them

@@ -265,7 +265,7 @@ class ReplicatedStrategy : public ModuleStrategy {
       auto* z = zero1_.get();
       reducer_ = std::make_unique<GradReducer>(
           ps, names, z->buckets(), [z, g](size_t b) { return z->start_bucket(b, *g); },
-          [z](size_t b, dist::Work& w) { z->land_bucket(b, w); }, overlap);
+          [z](size_t b, dist::Work& w) { z->land_bucket(b, w); }, overlap, comm_.buckets_in_flight);
       return reducer_.get();
     }
     auto runs = bucket_runs(bytes, comm_.bucket_bytes);
@@ -292,7 +292,7 @@ class ReplicatedStrategy : public ModuleStrategy {
         off += p.numel();
       }
     };
-    reducer_ = std::make_unique<GradReducer>(ps, names, runs, start, land, overlap);
+    reducer_ = std::make_unique<GradReducer>(ps, names, runs, start, land, overlap, comm_.buckets_in_flight);
     return reducer_.get();
   }
 };

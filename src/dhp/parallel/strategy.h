@@ -62,10 +62,12 @@ class ModuleTarget {
   virtual std::unique_ptr<Zero3> fully_shard(const dist::Group& group) = 0;
 };
 
-// How a strategy communicates its gradients (parallel.overlap, parallel.bucket_mb).
+// How a strategy communicates its gradients (parallel.overlap, parallel.bucket_mb,
+// parallel.buckets_in_flight).
 struct CommOptions {
   bool overlap = true;              // data-parallel and ZeRO-1 reductions start during the last backward
   int64_t bucket_bytes = 25 << 20;  // gradients per reduction (ZeRO-1: also its state's layout)
+  int64_t buckets_in_flight = 2;    // reductions started and not yet landed at once
 };
 
 // What the gradient reduction of a module did on this rank so far.

@@ -152,9 +152,10 @@ double module_state_bytes(const Conventions& cv, const ModuleStrategy& s, double
     v.optim_bytes = 8;
   }
   const double frozen = params - trainable;
+  // tp x dp: every data replica holds its TP shard's whole state (the runtime's parallel.<module>.zero
+  // default for tp is 0), and all-reduces its gradients.
   if (s.kind == S::kTensorParallel)
-    return (trainable * state_bytes_per_param(v, s.dp > 1 ? 1 : 0, s.dp) + frozen * v.param_bytes) /
-           static_cast<double>(s.degree);
+    return (trainable * state_bytes_per_param(v, 0, 1) + frozen * v.param_bytes) / static_cast<double>(s.degree);
   if (s.kind == S::kSequenceParallel) return trainable * state_bytes_per_param(v, 1, s.ranks()) + frozen * v.param_bytes;
   if (s.kind == S::kZero3)
     return trainable * state_bytes_per_param(v, 3, s.ranks()) + frozen * v.param_bytes / static_cast<double>(s.ranks());
@@ -207,6 +208,20 @@ void step_collectives(Tally& tl, const Cluster& c, const ModuleStrategy& s, doub
     const double b = params * all_reduce_elem_bytes(c, gbytes);
     tl.collective(all_reduce_seconds(l, n, b), 2 * b * (n - 1) / n, 1, true);
   }
+}
+
+// Bytes the gradient reduction of a module holds on a rank at once: its buckets in flight
+// (Workload::reduce_buckets_in_flight of reduce_bucket_bytes, at most the rank's `params`
+// trained parameters' gradients of `gbytes` each), each a flat copy of the gradients plus, for
+// an all-reduce on Gloo of bf16 ones, an fp32 copy (2 more bytes per byte); ZeRO-1's
+// reduce-scatter (an all-to-all) adds the received parts instead (1 more).
+double reduce_buffer_bytes(const Cluster& c, const Workload& w, const ModuleStrategy& s, double params, double gbytes) {
+  const bool zero1 = s.kind == S::kSequenceParallel && s.ranks() > 1;
+  const bool all_reduce = (s.kind == S::kTensorParallel && s.dp > 1) || (s.kind == S::kDataParallel && s.ranks() > 1);
+  if (!zero1 && !all_reduce) return 0;
+  const double flat = std::min(params * gbytes, static_cast<double>(w.reduce_buckets_in_flight) * w.reduce_bucket_bytes);
+  const double copies = zero1 ? 2 : 1 + (all_reduce_elem_bytes(c, gbytes) > gbytes ? 2 : 0);
+  return copies * flat;
 }
 
 // ZeRO-3, per micro-batch: `units` units of `unit_params` parameters each. DeepSpeed: gathered
@@ -515,6 +530,7 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "vision", s, v.depth, w);
+  cost.reduce_bytes = reduce_buffer_bytes(c, w, s, pt / t, b);
   cost.flops = (fz.encoder_frozen() ? 1 : 3) * vision_image_flops(v, gh, gw) * T * static_cast<double>(images_step);
   // Memory.
   cost.state_bytes = module_state_bytes(cv, s, pc, pt, w.precision);
@@ -622,6 +638,7 @@ ModuleCost text_cost(const qwen::ModelConfig& m, const Cluster& c, const Workloa
   add_sync_wait(cost, link_for(c, s.ranks()));
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "text", s, tc.num_layers, w);
+  cost.reduce_bytes = reduce_buffer_bytes(c, w, s, pt / t, b);
   const double per_layer_flops = 2 * L * (h * h + 2 * h * kv + h * h + 3 * h * I) + 4 * h * L * (L + 1) / 2;
   cost.flops = 3 * static_cast<double>(w.batch_size) *
                (layers * per_layer_flops + 2 * (cv.logits_all_positions ? L : static_cast<double>(w.target_tokens)) * h * V);
@@ -733,11 +750,16 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
     e.memory_bytes = std::max(e.vision.memory_bytes(), e.text.memory_bytes());
   } else {
     e.step_s = tv + tt + overhead;
-    // The text's logits and working set come after the vision's are freed; stored
-    // activations of both are alive together.
+    // Stored activations of both are alive together; the text's backward (its working set and
+    // logits) comes before the vision's. Reductions started during backward (overlap) hold the
+    // text's buckets from its backward through the vision's; without overlap they run after
+    // both backwards, one module after the other.
+    const double text_reduce = plan.overlap ? e.text.reduce_bytes : 0;
     e.memory_bytes = e.vision.state_bytes + e.text.state_bytes + e.vision.activation_bytes + e.text.activation_bytes +
-                     std::max({e.vision.working_bytes + e.vision.gathered_bytes,
-                               e.text.working_bytes + e.text.gathered_bytes + e.text.logits_bytes});
+                     std::max({e.text.working_bytes + e.text.gathered_bytes + e.text.logits_bytes + text_reduce,
+                               e.vision.working_bytes + e.vision.gathered_bytes + text_reduce +
+                                   (plan.overlap ? e.vision.reduce_bytes : 0),
+                               plan.overlap ? 0.0 : std::max(e.vision.reduce_bytes, e.text.reduce_bytes)});
   }
   e.throughput = static_cast<double>(w.vision_tokens * w.batch_size * w.images_per_sample) / e.step_s;
   e.fits = e.memory_bytes <= e.capacity_bytes;

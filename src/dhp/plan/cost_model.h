@@ -115,6 +115,10 @@ struct Workload {
   // its input's gradient only (no weight gradient), and none at all before the first layer
   // that trains; a frozen vision encoder runs forward only.
   qwen::Freezing freezing;
+  // dhp's gradient reductions (parallel.bucket_mb, parallel.buckets_in_flight): bytes of
+  // gradients per bucket and buckets started and not landed at once.
+  double reduce_bucket_bytes = 25.0 * (1 << 20);
+  int64_t reduce_buckets_in_flight = 2;
   // LoRA (lora.*): the adapters' parameters train (gradients, state, reductions); their
   // FLOPs (rank << width) are not counted. Their base weights are frozen (freezing.adapted).
   qwen::LoraSpec lora;
@@ -189,11 +193,16 @@ struct ModuleCost {
   double flops = 0;        // model FLOPs per step of the whole module (fwd + bwd, no recompute)
   // Bytes per device.
   double state_bytes = 0, activation_bytes = 0, working_bytes = 0, logits_bytes = 0, gathered_bytes = 0;
+  // The gradient reduction's buckets in flight (dp and tp x dp all-reduce, ZeRO-1 reduce-scatter):
+  // their flat copies, and on Gloo the fp32 copies of bf16 ones.
+  double reduce_bytes = 0;
   // The device's work and the host's dispatch overlap (kernels are queued ahead): the longer
   // of the two, then the update.
   double device_s() const { return gemm_s + attention_s + elementwise_s + comm_s - hidden_s + sync_s; }
   double time_s() const { return std::max(device_s(), host_s) + optimizer_s; }
-  double memory_bytes() const { return state_bytes + activation_bytes + working_bytes + logits_bytes + gathered_bytes; }
+  double memory_bytes() const {
+    return state_bytes + activation_bytes + working_bytes + logits_bytes + gathered_bytes + reduce_bytes;
+  }
 };
 
 struct Estimate {

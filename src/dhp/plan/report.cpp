@@ -43,6 +43,7 @@ io::Json module_json(const ModuleCost& m) {
   j.set("working_bytes", io::Json(m.working_bytes));
   j.set("logits_bytes", io::Json(m.logits_bytes));
   j.set("gathered_bytes", io::Json(m.gathered_bytes));
+  j.set("reduce_bytes", io::Json(m.reduce_bytes));
   return j;
 }
 

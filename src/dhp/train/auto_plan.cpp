@@ -36,6 +36,8 @@ std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg) {
 void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w) {
   if (c.attention_block > 0) c.attention_block = cfg.training.attention_block;
   w.synthetic_data = cfg.data.dataset == "shapes";
+  w.reduce_bucket_bytes = cfg.parallel.bucket_mb * (1 << 20);
+  w.reduce_buckets_in_flight = cfg.parallel.buckets_in_flight;
 }
 
 std::string micro_batches_phrase(int64_t m) {

@@ -42,7 +42,7 @@ std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg);
 
 // What the runtime configured by `cfg` does that the cost model needs: dhp's CPU attention
 // block (on a cluster that runs it, attention_block > 0) and whether every rank draws its
-// samples inside the step (the shapes task).
+// samples inside the step (the shapes task), and its gradient buckets (size, how many in flight).
 void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w);
 
 }  // namespace dhp::train

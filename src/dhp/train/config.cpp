@@ -139,6 +139,8 @@ void Config::validate() const {
     DHP_CHECK(parallel.balance == "cost" || parallel.balance == "contiguous", "parallel.balance='", parallel.balance,
               "' is not cost or contiguous");
     DHP_CHECK(parallel.bucket_mb > 0, "parallel.bucket_mb must be > 0, got ", parallel.bucket_mb);
+    DHP_CHECK(parallel.buckets_in_flight >= 1, "parallel.buckets_in_flight must be >= 1, got ",
+              parallel.buckets_in_flight);
     DHP_CHECK(named != Combination::kCustom || (!parallel.vision.strategy.empty() && !parallel.text.strategy.empty()),
               "parallel.strategy=custom needs parallel.vision.strategy and parallel.text.strategy");
     for (const auto& [key, m] : {std::pair<const char*, const ModuleParallelOptions*>{"parallel.vision.strategy", &parallel.vision},

@@ -205,6 +205,7 @@ struct ParallelOptions {
   std::string balance = "cost";  // cost | contiguous: how a micro-batch's samples go to data-parallel replicas
   bool overlap = true;     // gradient reductions start during the step's last backward
   double bucket_mb = 25;   // MiB of gradients per reduction bucket
+  int64_t buckets_in_flight = 2;  // reduction buckets started and not yet landed at once
   ModuleParallelOptions vision, text;
   template <class V>
   void visit(V& v) {
@@ -237,6 +238,10 @@ struct ParallelOptions {
     v.field("bucket_mb", bucket_mb,
             "MiB of gradients per reduction bucket (one all-reduce or reduce-scatter each; ZeRO-1's optimizer state is "
             "laid out by bucket, and checkpoints load whatever the bucket size)");
+    v.field("buckets_in_flight", buckets_in_flight,
+            "most gradient buckets started and not yet landed at once (each holds a flat copy of its gradients, on "
+            "Gloo an fp32 one of bf16 ones as well): one more starts after the oldest lands. One backend stream or "
+            "thread runs them in order, so 2 keeps it busy; more only holds more memory");
     v.section("vision", vision, "vision tower strategy (overrides parallel.strategy)");
     v.section("text", text, "text decoder strategy (overrides parallel.strategy)");
   }

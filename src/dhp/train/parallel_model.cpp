@@ -86,6 +86,7 @@ parallel::CommOptions comm_options(const Config& cfg) {
   parallel::CommOptions o;
   o.overlap = cfg.parallel.overlap;
   o.bucket_bytes = std::max<int64_t>(1, static_cast<int64_t>(cfg.parallel.bucket_mb * (1 << 20)));
+  o.buckets_in_flight = cfg.parallel.buckets_in_flight;
   return o;
 }
 
