@@ -396,8 +396,9 @@ TEST(PlanEstimate, StatesShardAndTensorParallelReplicatesElementwiseWork) {
 // one of bf16 gradients: 3x), at most parallel.buckets_in_flight of parallel.bucket_mb, at most
 // the rank's gradients; ZeRO-1's reduce-scatter holds the flat copy and what it receives (2x);
 // tp without replicas reduces nothing. Overlapped, the text's buckets are alive during the
-// vision's backward; at the end, one module's after the other's.
-TEST(PlanEstimate, ReductionBucketsInFlightAreMemory) {
+// vision's backward; at the end, one module's after the other's. The step's pixel values are
+// held from its start to its end.
+TEST(PlanEstimate, BucketsInFlightAndTheStepsPixelsAreMemory) {
   const auto m = dhp::qwen::preset("qwen2.5-vl-7b");
   auto c = cluster_preset("h100x8");
   c.half_all_reduce_in_fp32 = true;  // Gloo
@@ -420,7 +421,15 @@ TEST(PlanEstimate, ReductionBucketsInFlightAreMemory) {
   // Colocated, overlapped: the text's buckets and the vision's during the vision's backward.
   w = reference_workload(1024, 8);
   c.half_all_reduce_in_fp32 = true;
-  const double others = e.vision.state_bytes + e.text.state_bytes + e.vision.activation_bytes + e.text.activation_bytes;
+  const double others = e.vision.state_bytes + e.text.state_bytes + e.vision.activation_bytes + e.text.activation_bytes +
+                        e.vision.input_bytes;
+  // The step's pixel values: every rank of the one vision replica (sp8) holds its eighth of the 8
+  // samples' fp32 patch rows after their forward; with 2 micro-batches, the second's whole too.
+  const double pixels = 8.0 * 1024 * static_cast<double>(m.vision.patch_dim()) * 4;
+  EXPECT_DOUBLE_EQ(e.vision.input_bytes, pixels / 8);
+  auto two = w;
+  two.micro_batches = 2;
+  EXPECT_DOUBLE_EQ(estimate(m, c, two, plan).vision.input_bytes, pixels / 2 + pixels / 2 / 8);
   EXPECT_DOUBLE_EQ(e.memory_bytes - others,
                    std::max(e.text.working_bytes + e.text.logits_bytes + e.text.reduce_bytes,
                             e.vision.working_bytes + e.text.reduce_bytes + e.vision.reduce_bytes));

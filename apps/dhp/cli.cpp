@@ -90,7 +90,7 @@ std::string job_fingerprint(const Config& cfg) {
 
 dhp::train::Runtime worker_runtime(const std::optional<dhp::dist::WorkerEnv>& env, const Config& cfg) {
   dhp::train::Runtime rt;
-  rt.timeout = std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000));
+  rt.timeout = cfg.parallel.timeout();
   if (env) {
     // The launcher counts the job's restarts in DHP_RESTART (launch.h), torchrun's agents in
     // TORCHELASTIC_RESTART_COUNT.

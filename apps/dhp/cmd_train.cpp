@@ -150,8 +150,7 @@ int cmd_train(int argc, char** argv, int first) {
   }
   if (!env) {
     if (a.nproc > 1 || a.max_restarts > 0 || a.nodes.count > 1) {
-      return dhp::launch::run_workers(a.nproc, worker_argv, a.max_restarts, a.nodes,
-                                      std::chrono::milliseconds(static_cast<int64_t>(cfg.parallel.timeout_s * 1000)));
+      return dhp::launch::run_workers(a.nproc, worker_argv, a.max_restarts, a.nodes, cfg.parallel.timeout());
     }
   } else {
     DHP_CHECK(a.nproc == 1 || a.nproc * a.nodes.count == env->world, "--nproc ", a.nproc, " but the ", env->launcher,

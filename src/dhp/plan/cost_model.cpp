@@ -531,6 +531,11 @@ ModuleCost vision_cost(const qwen::ModelConfig& model, const Cluster& c, const W
   cost.optimizer_s = optimizer_seconds(c, cv, params_updated(s, pt));
   cost.host_s = eager_host_seconds(c, cv, "vision", s, v.depth, w);
   cost.reduce_bytes = reduce_buffer_bytes(c, w, s, pt / t, b);
+  // The step's pixel values (fp32 patch rows) come whole at its start; a micro-batch's are
+  // freed after its vision forward but for this rank's sequence share, kept for the backward.
+  const double mbs = static_cast<double>(w.micro_batches);
+  cost.input_bytes = static_cast<double>(images_step) / static_cast<double>(sh.replicas) * T * N *
+                     static_cast<double>(v.patch_dim()) * 4 * (mbs - 1 + 1 / static_cast<double>(sh.share)) / mbs;
   cost.flops = (fz.encoder_frozen() ? 1 : 3) * vision_image_flops(v, gh, gw) * T * static_cast<double>(images_step);
   // Memory.
   cost.state_bytes = module_state_bytes(cv, s, pc, pt, w.precision);
@@ -756,6 +761,7 @@ Estimate estimate(const qwen::ModelConfig& m, const Cluster& c, const Workload& 
     // both backwards, one module after the other.
     const double text_reduce = plan.overlap ? e.text.reduce_bytes : 0;
     e.memory_bytes = e.vision.state_bytes + e.text.state_bytes + e.vision.activation_bytes + e.text.activation_bytes +
+                     e.vision.input_bytes +
                      std::max({e.text.working_bytes + e.text.gathered_bytes + e.text.logits_bytes + text_reduce,
                                e.vision.working_bytes + e.vision.gathered_bytes + text_reduce +
                                    (plan.overlap ? e.vision.reduce_bytes : 0),

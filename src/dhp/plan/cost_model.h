@@ -196,12 +196,16 @@ struct ModuleCost {
   // The gradient reduction's buckets in flight (dp and tp x dp all-reduce, ZeRO-1 reduce-scatter):
   // their flat copies, and on Gloo the fp32 copies of bf16 ones.
   double reduce_bytes = 0;
+  // The step's input this rank holds at the text's backward: its vision replica's samples'
+  // pixel values (fp32 patch rows) of the micro-batches not encoded yet, and this one's
+  // sequence share of its own (kept for the backward).
+  double input_bytes = 0;
   // The device's work and the host's dispatch overlap (kernels are queued ahead): the longer
   // of the two, then the update.
   double device_s() const { return gemm_s + attention_s + elementwise_s + comm_s - hidden_s + sync_s; }
   double time_s() const { return std::max(device_s(), host_s) + optimizer_s; }
   double memory_bytes() const {
-    return state_bytes + activation_bytes + working_bytes + logits_bytes + gathered_bytes + reduce_bytes;
+    return state_bytes + activation_bytes + working_bytes + logits_bytes + gathered_bytes + reduce_bytes + input_bytes;
   }
 };
 

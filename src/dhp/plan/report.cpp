@@ -44,6 +44,7 @@ io::Json module_json(const ModuleCost& m) {
   j.set("logits_bytes", io::Json(m.logits_bytes));
   j.set("gathered_bytes", io::Json(m.gathered_bytes));
   j.set("reduce_bytes", io::Json(m.reduce_bytes));
+  j.set("input_bytes", io::Json(m.input_bytes));
   return j;
 }
 

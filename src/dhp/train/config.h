@@ -3,6 +3,7 @@
 // the key and the file (or --set) they came from.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,10 @@ struct ParallelOptions {
   double bucket_mb = 25;   // MiB of gradients per reduction bucket
   int64_t buckets_in_flight = 2;  // reduction buckets started and not yet landed at once
   ModuleParallelOptions vision, text;
+  // timeout_s as the collectives and the launcher take it.
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  }
   template <class V>
   void visit(V& v) {
     v.field("strategy", strategy,

@@ -112,9 +112,13 @@ bool Freezing::any() const {
 std::vector<std::pair<std::string, std::string>> Freezing::settings() const {
   std::vector<std::pair<std::string, std::string>> out;
   SettingsCollector v{"model.vision.", out}, m{"model.merger.", out}, t{"model.text.", out};
-  const_cast<VisionFreezing&>(vision).visit(v);
-  const_cast<MergerFreezing&>(merger).visit(m);
-  const_cast<TextFreezing&>(text).visit(t);
+  // visit() is the config's two-way walk (it may write): it walks copies here.
+  auto vision_copy = vision;
+  auto merger_copy = merger;
+  auto text_copy = text;
+  vision_copy.visit(v);
+  merger_copy.visit(m);
+  text_copy.visit(t);
   return out;
 }
 
