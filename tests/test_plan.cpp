@@ -734,15 +734,22 @@ TEST(PlanValidate, ClipRowsAreCostedAsClips) {
   const auto path = (setup.dir.path() / "results.json").string();
   std::ofstream(path) << "{\"settings\": {\"nproc\": 2, \"memory_limit\": \"\", \"batch_sizes\": [4]}, \"points\": ["
                       << "{\"strategy\": \"dp\", \"vision_tokens\": 256, \"frames\": 4, \"batch_size\": 4, "
+                         "\"oom\": false, \"step_time_s\": 1.0, \"peak_bytes_per_rank\": [1e8, 1e8]}, "
+                      << "{\"strategy\": \"dp\", \"vision_tokens\": 256, \"batch_size\": 4, "
                          "\"oom\": false, \"step_time_s\": 1.0, \"peak_bytes_per_rank\": [1e8, 1e8]}]}\n";
-  const auto v = validate(setup.cfg.model.config, setup.c, setup.w, path);
-  ASSERT_EQ(v.rows.size(), 1u);
+  // Estimated with a clip workload (dhp plan --frames 6 given): each row says what it measured.
+  auto base = setup.w;
+  base.temporal_patches = 3;
+  const auto v = validate(setup.cfg.model.config, setup.c, base, path);
+  ASSERT_EQ(v.rows.size(), 2u);
   auto w = setup.w;
   w.temporal_patches = 2;
   const double clip = estimate(setup.cfg.model.config, setup.c, w, named_plan("dp", 2)).step_s;
   EXPECT_DOUBLE_EQ(v.rows[0].predicted_s, clip);
   w.temporal_patches = 1;
-  EXPECT_NE(v.rows[0].predicted_s, estimate(setup.cfg.model.config, setup.c, w, named_plan("dp", 2)).step_s);
+  const double image = estimate(setup.cfg.model.config, setup.c, w, named_plan("dp", 2)).step_s;
+  EXPECT_NE(v.rows[0].predicted_s, image);
+  EXPECT_DOUBLE_EQ(v.rows[1].predicted_s, image);  // no frames: images
 }
 
 // An `auto` row of a sweep is validated as the layout it recorded choosing (its pinned keys:

@@ -202,7 +202,7 @@ int cmd_plan(int argc, char** argv, int first) {
   } else {
     m = dhp::qwen::preset(a.model);
   }
-  const int64_t frames = a.frames >= 0 ? a.frames : cfg && cfg->data.dataset == "shapes" ? cfg->data.frames : 0;
+  const int64_t frames = a.frames >= 0 ? a.frames : cfg ? dhp::train::clip_frames(*cfg) : 0;
   o.workload.temporal_patches = dhp::plan::clip_temporal_patches(m.vision, frames);
   auto c = dhp::plan::cluster_preset(a.cluster);
   if (cfg) dhp::train::apply_runtime(*cfg, c, o.workload);

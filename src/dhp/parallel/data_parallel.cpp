@@ -146,8 +146,7 @@ void GradReducer::start_next() {
 
 void GradReducer::land_next() {
   torch::NoGradGuard no_grad;
-  land_(bucket_at(landed_), works_[landed_]);
-  works_[landed_] = dist::Work();  // its buffers go now
+  land_(bucket_at(landed_), works_[landed_]);  // its wait() frees the work's buffers
   ++landed_;
 }
 

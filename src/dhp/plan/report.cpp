@@ -325,9 +325,10 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     r.measured_oom = p.at("oom", what).boolean(what + " oom");
     Workload w = base;
     w.vision_tokens = r.vision_tokens;
-    if (const auto* frames = p.find("frames")) {  // a clip's patches, over its temporal patches
-      w.temporal_patches = clip_temporal_patches(m.vision, frames->integer(what + " frames"));
-    }
+    // A clip's patches are over its temporal patches; a row without frames is of images
+    // (whatever the workload it is estimated with says).
+    const auto* frames = p.find("frames");
+    w.temporal_patches = clip_temporal_patches(m.vision, frames ? frames->integer(what + " frames") : 0);
     w.micro_batches = 1;
     // A named strategy, or an `auto` row's recorded choice; a row with neither (the planner
     // found nothing to run) is listed, not validated.

@@ -33,6 +33,8 @@ std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg) {
   return {(text + n / 2) / n, std::max<int64_t>(1, (targets + n / 2) / n)};
 }
 
+int64_t clip_frames(const Config& cfg) { return cfg.data.dataset == "shapes" ? cfg.data.frames : 0; }
+
 void apply_runtime(const Config& cfg, plan::Cluster& c, plan::Workload& w) {
   if (c.attention_block > 0) c.attention_block = cfg.training.attention_block;
   w.synthetic_data = cfg.data.dataset == "shapes";
@@ -82,7 +84,7 @@ plan::Workload auto_workload(const Config& cfg, int64_t& side) {
   }
   const int64_t patches_side = side / m.vision.patch_size;
   // The moving task: a clip of data.frames frames of that side.
-  w.temporal_patches = cfg.data.dataset == "shapes" ? plan::clip_temporal_patches(m.vision, cfg.data.frames) : 1;
+  w.temporal_patches = plan::clip_temporal_patches(m.vision, clip_frames(cfg));
   w.vision_tokens = patches_side * patches_side * w.temporal_patches;
   w.batch_size = cfg.data.pack_tokens > 0 ? std::max<int64_t>(1, cfg.data.pack_tokens / std::max<int64_t>(1, w.tokens_per_sample(m.vision.spatial_merge_size))) * cfg.training.micro_batches
                                           : cfg.data.batch_size;

@@ -40,6 +40,9 @@ std::string auto_calibration_path(int64_t world);
 // Mean text tokens (besides the image's) and answer tokens of the shapes task's samples.
 std::pair<int64_t, int64_t> shapes_text_tokens(const Config& cfg);
 
+// Frames per clip of the config's data: the moving task's data.frames, 0 (images) otherwise.
+int64_t clip_frames(const Config& cfg);
+
 // What the runtime configured by `cfg` does that the cost model needs: dhp's CPU attention
 // block (on a cluster that runs it, attention_block > 0) and whether every rank draws its
 // samples inside the step (the shapes task), and its gradient buckets (size, how many in flight).
