@@ -304,6 +304,18 @@ TEST(PlanEstimate, CalibratedTermsOfTheLocalMachine) {
   const auto z = estimate(m, c, w, named_plan("zero3", 2));
   EXPECT_EQ(z.text.comm_calls, 3 * (m.text.num_layers + 2));
   EXPECT_EQ(z.vision.comm_calls, 3 * (m.vision.depth + 2));
+  // Prefetched a unit ahead (parallel.overlap), those calls wait for no rank: the compute
+  // beside them absorbs the arrival skew. Without overlap each one waits.
+  auto zplan = named_plan("zero3", 2);
+  const auto zahead = estimate(m, cs, w, zplan);
+  zplan.overlap = false;
+  const auto zblock = estimate(m, cs, w, zplan);
+  for (const auto& [ahead, block] : {std::pair{zahead.text, zblock.text}, std::pair{zahead.vision, zblock.vision}}) {
+    EXPECT_EQ(ahead.ahead_calls, ahead.comm_calls);
+    EXPECT_EQ(ahead.sync_s, 0);
+    EXPECT_EQ(block.ahead_calls, 0);
+    EXPECT_NEAR(block.sync_s, static_cast<double>(block.comm_calls) * (5e-3 - 1e-3), 1e-12);
+  }
   // DeepSpeed's (deepspeed conventions): three gathers with checkpointing and a reduce-scatter per layer.
   auto pz = named_plan("zero3", 2);
   pz.conventions = "deepspeed";

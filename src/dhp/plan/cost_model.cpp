@@ -110,11 +110,12 @@ struct Tally {
     // FA2 backward: 2.5x the forward's matmul work
     cost.attention_s += passes_fwd() * s + (backward != kNoBackward ? 2.5 * s : 0.0);
   }
-  void collective(double seconds, double bytes, int64_t calls, bool overlappable = false) {
+  void collective(double seconds, double bytes, int64_t calls, bool overlappable = false, bool ahead = false) {
     cost.comm_s += seconds;
     cost.comm_bytes += bytes;
     cost.comm_calls += calls;
     if (overlappable) cost.overlap_s += seconds;
+    if (ahead) cost.ahead_calls += calls;
   }
 };
 
@@ -241,7 +242,8 @@ void zero3_unit_collectives(Tally& tl, const Cluster& c, const Conventions& cv, 
   if (cv.zero3_units) {
     const double gathers = tl.backward == kNoBackward ? 1 : 2;
     tl.collective(units * (gathers * all_gather_seconds(l, n, b) + reduces * all_to_all_seconds(l, n, b)),
-                  units * (gathers + reduces) * b * frac, static_cast<int64_t>(units * (gathers + reduces)), true);
+                  units * (gathers + reduces) * b * frac, static_cast<int64_t>(units * (gathers + reduces)), true,
+                  cv.overlap);
     if (reduces > 0)
       tl.cost.elementwise_s += units * (c.zero3_unit_s_per_byte > 0 ? b * c.zero3_unit_s_per_byte
                                                                     : elementwise_seconds(c, cv.zero3_copy_passes * b, 8));
@@ -263,12 +265,13 @@ void add_hidden(ModuleCost& cost, const Cluster& c, const Conventions& cv, const
   cost.hidden_s = c.overlap_hidden * std::min(cost.overlap_s, beside);
 }
 
-// Waiting at the module's collectives for the slowest rank: each call after the module's
-// compute divided evenly between its calls, at the link's measured cost for that interval
-// (beyond the latency already counted in comm_s).
+// Waiting at the module's collectives for the slowest rank: each call that blocks (not one
+// started ahead) after the module's compute divided evenly between those calls, at the
+// link's measured cost for that interval (beyond the latency already counted in comm_s).
 void add_sync_wait(ModuleCost& cost, const Link& l) {
-  if (l.sync_interval_s.empty() || cost.comm_calls == 0) return;
-  const double calls = static_cast<double>(cost.comm_calls);
+  const int64_t blocking = cost.comm_calls - cost.ahead_calls;
+  if (l.sync_interval_s.empty() || blocking <= 0) return;
+  const double calls = static_cast<double>(blocking);
   const double interval = (cost.gemm_s + cost.attention_s + cost.elementwise_s) / calls;
   cost.sync_s = calls * std::max(0.0, l.sync_seconds(interval) - l.latency_s);
 }

@@ -189,6 +189,10 @@ struct ModuleCost {
   double hidden_s = 0;     // of that, what compute hides (Cluster::overlap_hidden)
   double host_s = 0;       // eager runtimes: the host's dispatch of the layers (0: not modeled)
   int64_t comm_calls = 0;
+  // Of comm_calls, those started a unit ahead of their use (ZeRO-3's prefetched gathers and
+  // late reduce-scatters under Conventions::overlap): the compute beside them absorbs the
+  // ranks' arrival skew, so they add no sync_s.
+  int64_t ahead_calls = 0;
   double comm_bytes = 0;   // bytes this rank sends per step (ring formulas)
   double flops = 0;        // model FLOPs per step of the whole module (fwd + bwd, no recompute)
   // Bytes per device.

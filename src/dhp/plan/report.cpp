@@ -31,6 +31,7 @@ io::Json module_json(const ModuleCost& m) {
   j.set("elementwise_s", io::Json(m.elementwise_s));
   j.set("comm_s", io::Json(m.comm_s));
   j.set("comm_calls", io::Json(m.comm_calls));
+  j.set("ahead_calls", io::Json(m.ahead_calls));
   j.set("comm_bytes", io::Json(m.comm_bytes));
   j.set("sync_s", io::Json(m.sync_s));
   j.set("overlap_s", io::Json(m.overlap_s));
