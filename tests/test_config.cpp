@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include <torch/types.h>
@@ -26,6 +27,23 @@ TEST(Config, DefaultsAreTheDemo) {
   EXPECT_EQ(c.model.config.text.hidden_size, dhp::qwen::preset("demo").text.hidden_size);
   EXPECT_EQ(c.training.precision, "fp32");
   EXPECT_EQ(c.parallel.strategy, "none");
+}
+
+// The shipped configs load and validate (the README runs them); the moving-task demo is the
+// 8-frame task at the sides it states.
+TEST(Config, ShippedConfigsLoad) {
+  int64_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(std::string(DHP_SOURCE_DIR) + "/configs")) {
+    if (e.path().extension() != ".yaml") continue;
+    EXPECT_NO_THROW(dhp::load_config(e.path().string(), {})) << e.path();
+    ++n;
+  }
+  EXPECT_GE(n, 5);
+  const auto moving = dhp::load_config(std::string(DHP_SOURCE_DIR) + "/configs/demo_moving.yaml", {});
+  EXPECT_EQ(moving.data.frames, 8);
+  EXPECT_EQ(moving.data.min_side, 56);
+  EXPECT_EQ(moving.data.max_side, 84);
+  EXPECT_EQ(moving.training.steps, 3000);
 }
 
 TEST(Config, FileThenSetsInOrder) {

@@ -708,6 +708,26 @@ TEST(PlanValidate, ErrorsTiesAndPairOrder) {
   EXPECT_EQ(r.decisive_matched, predicted["dhp"] < predicted["tp"] ? 1 : 0);
   EXPECT_NE(r.table.find("rounds' ranges overlap: "), std::string::npos) << r.table;
   EXPECT_NE(r.table.find("2.000 [1.010-2.200]"), std::string::npos) << r.table;
+  // `auto` measured at 1.2 s having chosen zero3's own layout: 17.6% from zero3, but one
+  // configuration measured twice, which no model can order. Against dhp (20% apart) it counts;
+  // tp's rounds reach it.
+  {
+    std::ifstream in(path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto end = text.rfind("]}");
+    text.insert(end, ", {\"strategy\": \"auto\", \"vision_tokens\": 256, \"batch_size\": 4, \"oom\": false, "
+                     "\"step_time_s\": 1.2, \"peak_bytes_per_rank\": [1e8, 1e8], \"chosen_sets\": "
+                     "[\"parallel.strategy=custom\", \"parallel.vision.strategy=zero3\", \"parallel.vision.ranks=[0, 1]\", "
+                     "\"parallel.text.strategy=zero3\", \"parallel.text.ranks=[0, 1]\", \"training.micro_batches=1\"]}");
+    std::ofstream(path) << text;
+  }
+  const auto same = validate(cfg.model.config, c, w, path);
+  ASSERT_EQ(same.rows.size(), 4u);
+  EXPECT_EQ(same.rows[2].strategy, "zero3");
+  EXPECT_EQ(same.rows[2].layout, same.rows[3].layout) << same.table;  // auto's row is zero3's layout
+  EXPECT_NE(same.rows[0].layout, same.rows[3].layout);
+  EXPECT_NE(same.table.find("the same layout: zero3 = auto (17.6% apart)"), std::string::npos) << same.table;
+  EXPECT_EQ(same.decisive_pairs, r.decisive_pairs + 1);
 }
 
 // A `--point NAME:KEYS` row is validated as the named combination its keys set, with

@@ -77,9 +77,11 @@ void check(int64_t ws, std::vector<dhp::optim::ParamGroup> groups = {}, int64_t 
         for (size_t b = z.buckets().size(); b-- > 0;) works.push_back(z.start_bucket(b, g));
         for (size_t k = 0; k < works.size(); ++k) z.land_bucket(z.buckets().size() - 1 - k, works[k]);
         sq_by_rank[static_cast<size_t>(r)].push_back(z.grad_sq_norm().item<double>());
-      } else if (s == 1) {  // step() reduces by itself otherwise
+      } else if (s == 1) {  // step() reduces by itself otherwise (two buckets in flight)
         z.reduce_gradients();
         sq_by_rank[static_cast<size_t>(r)].push_back(z.grad_sq_norm().item<double>());
+      } else if (s == 2 && bucket_bytes > 0) {
+        z.reduce_gradients(1);  // one bucket at a time
       }
       z.step(0.01 * (s + 1));
       z.zero_grad();

@@ -45,7 +45,7 @@ int cmd_data(int argc, char** argv, int first) {
       "temporal patch. Writes pixel_values_videos [M, 1176] fp32, video_grid_thw [1, 3] int64,\n"
       "second_per_grid_ts [1] fp32 (2 / sampled fps) and frame_indices [frames] int64.\n\n"
       "synth writes the built-in shapes task as a LLaVA dataset: DIR/train.jsonl (one conversation\n"
-      "per image: \"<image>\\nWhat is in the image?\" -> \"a red circle top left\") and DIR/images/*.png\n"
+      "per image: \"<image>\\nWhat is in the image?\" -> \"a red triangle top left\") and DIR/images/*.png\n"
       "(sides in [A, B] px, multiples of 28; default 112..224). With --video it writes the moving\n"
       "task instead: DIR/videos/*.mp4 (H.264, F frames at R fps; default 8 at 2.0) in which a shape\n"
       "crosses the frame (\"<video>\\nWhat is in the video?\" -> \"a red square moving left\").\n";

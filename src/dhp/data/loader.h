@@ -110,7 +110,7 @@ class Loader {
 };
 
 // The shapes task as files: DIR/images/000000.png ... and DIR/train.jsonl with one
-// conversation per image ("<image>\nWhat is in the image?" -> "a red circle top left"),
+// conversation per image ("<image>\nWhat is in the image?" -> "a red triangle top left"),
 // the same images and answers as ShapesDataset(model, options).get(i). The moving task
 // (options.frames > 0) writes DIR/videos/000000.mp4 ... (H.264, or MPEG-4 part 2 where
 // FFmpeg has no libx264) at options.fps with "<video>\nWhat is in the video?" records.

@@ -1,5 +1,5 @@
 // The built-in synthetic task: images of coloured shapes with a question and a caption
-// answer ("a red circle top left"), tokenised with a small word vocabulary laid out like
+// answer ("a red triangle top left"), tokenised with a small word vocabulary laid out like
 // Qwen's chat template. Needs no download; each sample is a pure function of (seed, index).
 // With `frames` > 0 it is the moving task: clips in which a shape crosses the frame in one of
 // four directions ("a red square moving left"); the direction shows only across frames.

@@ -87,9 +87,11 @@ torch::Tensor Zero1AdamW::chunks_of(const std::vector<torch::Tensor>& per_param)
 }
 
 Zero1AdamW::Held Zero1AdamW::held(size_t i) const {
-  size_t k = 0;
-  while (runs_[k].second <= i) ++k;
-  const auto& b = buckets_[k];
+  DHP_CHECK(i < params_.size(), "Zero1AdamW::held: parameter ", i, " of ", params_.size());
+  // The bucket whose run [first, second) holds i (the runs are in order).
+  const auto run = std::upper_bound(runs_.begin(), runs_.end(), i,
+                                    [](size_t v, const std::pair<size_t, size_t>& r) { return v < r.second; });
+  const auto& b = buckets_[static_cast<size_t>(run - runs_.begin())];
   const int64_t chunk = b.padded / group_.size();
   const int64_t lo = b.begin + group_.rank() * chunk, hi = lo + chunk;  // among all parameters end to end
   const int64_t p0 = offsets_[i], p1 = p0 + params_[i].param.numel();
@@ -132,11 +134,18 @@ void Zero1AdamW::land_bucket(size_t k, dist::Work& work) {
   landed_[k] = true;
 }
 
-void Zero1AdamW::reduce_gradients() {
+void Zero1AdamW::reduce_gradients(int64_t in_flight) {
+  DHP_CHECK(in_flight >= 1, "Zero1AdamW::reduce_gradients: in_flight=", in_flight, " must be >= 1");
   torch::NoGradGuard no_grad;
-  std::vector<dist::Work> works;
-  for (size_t k = 0; k < runs_.size(); ++k) works.push_back(start_bucket(k, group_));
-  for (size_t k = 0; k < runs_.size(); ++k) land_bucket(k, works[k]);
+  // Bucket k starts once bucket k - in_flight has landed: at most in_flight flat copies (and
+  // the backend's own) are alive at once, as GradReducer bounds them.
+  std::vector<dist::Work> works(runs_.size());
+  const auto n = static_cast<size_t>(in_flight);
+  for (size_t k = 0; k < runs_.size(); ++k) {
+    if (k >= n) land_bucket(k - n, works[k - n]);
+    works[k] = start_bucket(k, group_);
+  }
+  for (size_t k = runs_.size() > n ? runs_.size() - n : 0; k < runs_.size(); ++k) land_bucket(k, works[k]);
 }
 
 bool Zero1AdamW::all_landed() const {

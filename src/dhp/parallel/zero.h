@@ -29,8 +29,9 @@ class Zero1AdamW {
   Zero1AdamW(std::vector<optim::NamedParam> params, optim::AdamWOptions options, dist::Group group,
              std::vector<bool> in_norm = {}, int64_t bucket_bytes = 0);
   // Sums the local gradients (.grad, undefined = zero) over the group into this rank's
-  // chunks. Collective. step() calls it when it was not called since the last step.
-  void reduce_gradients();
+  // chunks, bucket by bucket with at most `in_flight` started and not landed. Collective.
+  // step() calls it when it was not called since the last step.
+  void reduce_gradients(int64_t in_flight = 2);
   // The buckets: [begin, end) runs of the parameters (in constructor order).
   const std::vector<std::pair<size_t, size_t>>& buckets() const { return runs_; }
   // Starts the reduce-scatter of bucket b's local gradients (on `group`: the optimizer's own

@@ -356,6 +356,8 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
       continue;
     }
     plan.overlap = overlap;
+    r.layout = plan.describe() + ", " + std::to_string(w.micro_batches) + " micro-batch" +
+               (w.micro_batches == 1 ? "" : "es") + (overlap ? "" : ", overlap off");
     if (r.measured_oom) {
       // Nothing ran: does the model agree that no batch tried runs? Shown: the smallest batch
       // the plan can run at all (a replica needs a sample) and its predicted memory.
@@ -440,12 +442,16 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
     if (meas == pred) ++v.rankings_matched;
     os << "- " << len << " patches: " << meas << " / " << pred << (meas == pred ? " (same)" : " (DIFFERENT)");
     // Pairs that ran: measured apart by more than the tie margin, does the model agree?
-    std::string ties, overlaps;
+    std::string ties, overlaps, same;
     for (size_t i = 0; i < rows.size(); ++i) {
       for (size_t j = i + 1; j < rows.size(); ++j) {
         const auto *a = rows[i], *b = rows[j];
         if (a->measured_oom || b->measured_oom) continue;
         const double ma = static_cast<double>(a->batch_size) / a->measured_s, mb = static_cast<double>(b->batch_size) / b->measured_s;
+        if (a->layout == b->layout && a->batch_size == b->batch_size) {  // one configuration measured twice
+          same += (same.empty() ? "" : ", ") + a->strategy + " = " + b->strategy + fmt(" (%.1f%% apart)", 100 * std::fabs(ma / mb - 1));
+          continue;
+        }
         if (std::fabs(ma / mb - 1) * 100 <= Validation::kTiePercent) {
           ties += (ties.empty() ? "" : ", ") + a->strategy + " ~ " + b->strategy + fmt(" (%.1f%%)", 100 * std::fabs(ma / mb - 1));
           continue;
@@ -467,7 +473,8 @@ Validation validate(const qwen::ModelConfig& m, Cluster c, const Workload& base,
       }
     }
     os << (ties.empty() ? "" : "; measured within " + fmt("%.0f%%", Validation::kTiePercent) + ": " + ties)
-       << (overlaps.empty() ? "" : "; rounds' ranges overlap: " + overlaps) << "\n";
+       << (overlaps.empty() ? "" : "; rounds' ranges overlap: " + overlaps)
+       << (same.empty() ? "" : "; the same layout: " + same) << "\n";
   }
   os << "\nmean |error| " << fmt("%.0f%%", n ? 100 * sum_abs / static_cast<double>(n) : 0.0) << " over " << n
      << " points, " << v.within_20 << " within 20%; rankings matched at " << v.rankings_matched << " of " << v.lengths

@@ -54,6 +54,9 @@ struct ValidationRow {
   // The fastest and slowest of the measured rounds (dhp bench --repeats; else measured_s).
   double measured_min_s = 0, measured_max_s = 0;
   double measured_peak_bytes = 0, predicted_bytes = 0;
+  // What was estimated: the plan, its micro-batches and overlap. Two rows of one layout (a
+  // named strategy and `auto` choosing it) are one configuration: the model cannot order them.
+  std::string layout;
   double error() const { return predicted_s / measured_s - 1; }
 };
 struct Validation {
@@ -62,7 +65,8 @@ struct Validation {
   int64_t within_20 = 0;  // points whose predicted step time is within 20% of the measured one
   // Pairs of strategies at one length whose measured throughputs differ by more than
   // kTiePercent (repeated sweeps differ by about that much) and, where the sweep ran rounds,
-  // whose rounds' ranges do not overlap; and those the model orders alike.
+  // whose rounds' ranges do not overlap, and whose layouts differ; and those the model orders
+  // alike.
   int64_t decisive_pairs = 0, decisive_matched = 0;
   static constexpr double kTiePercent = 5;
   std::vector<std::string> not_validated;  // rows with no plan to estimate ("auto at 256 patches")
